@@ -1,0 +1,81 @@
+"""Conversion sources: a GGUF file or an HF directory, seen the same way — an HF config dict, float
+tensors under HF names, and the tokenizer files to write beside them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from tinyrt.errors import ModelFormatError
+from tinyrt.models.weights import WeightStore
+
+from .gguf_file import GGUFFile
+from .gguf_tokenizer import tokenizer_files
+
+# files of an HF directory that travel with the weights, as they are
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+                   "added_tokens.json")
+
+
+@dataclass
+class Source:
+    path: Path
+    config: dict
+    shapes: dict[str, tuple[int, ...]]              # HF name -> shape
+    tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (HF name, float array), any order
+    files: dict[str, str | bytes] = field(default_factory=dict)  # file name -> contents
+    generation_config: dict | None = None
+
+
+def open_source(path: str | Path) -> Source:
+    """A GGUF file or an HF directory (config.json + safetensors)."""
+    path = Path(path)
+    if path.is_dir():
+        return hf_source(path)
+    if not path.exists():
+        raise ModelFormatError(f"{path} does not exist")
+    return gguf_source(path)
+
+
+def gguf_source(path: Path) -> Source:
+    g = GGUFFile(path)
+    meta = {k[len("tokenizer.ggml."):]: g.get(k) for k in g.reader.fields
+            if k.startswith("tokenizer.ggml.")}
+    files = tokenizer_files(meta, g.get("tokenizer.chat_template"))
+    cfg = g.config()
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
+    return Source(path, cfg, g.hf_shapes(), g.hf_tensors, files, gen or None)
+
+
+def hf_source(path: Path) -> Source:
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path} has no config.json: not an HF model directory") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelFormatError(f"{path / 'config.json'} must hold a JSON object")
+    if cfg.get("quantization_config"):
+        raise ModelFormatError(f"{path} is already quantized; convert from the float checkpoint")
+    store = WeightStore(path)
+    names = [n for n in store.keys() if not n.endswith("rotary_emb.inv_freq")]
+
+    def tensors():
+        for n in names:
+            yield n, store.get_float(n)
+
+    files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).exists()}
+    gen_path = path / "generation_config.json"
+    gen = None
+    if gen_path.exists():
+        try:
+            gen = json.loads(gen_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ModelFormatError(f"{gen_path} is not valid JSON") from None
+    return Source(path, cfg, {n: store.shape(n) for n in names}, tensors, files, gen)

@@ -1,0 +1,22 @@
+"""The ops the decoder calls, and the one place that picks a backend for a device.
+
+This package imports nothing else of tinyrt.
+"""
+
+from __future__ import annotations
+
+from . import reference
+from .reference import ReferenceBackend
+
+DEVICES = ("auto", "cpu", "reference")
+
+
+def get_backend(device: str = "auto", threads: int | None = None):
+    """The backend for `device`: "reference" is NumPy; "cpu" and "auto" pick the fastest CPU
+    backend there is (today the NumPy one). Raises ValueError for an unknown device."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
+    return ReferenceBackend()
+
+
+__all__ = ["DEVICES", "get_backend", "reference", "ReferenceBackend"]

@@ -1,0 +1,26 @@
+"""Model configuration, weight files and the Llama/Mistral decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tinyrt.errors import ModelFormatError
+
+from .config import LlamaConfig, QuantConfig
+from .llama import LlamaModel, expected_shapes
+from .weights import SafetensorsFile, WeightStore, write_safetensors
+
+
+def load_model(directory: str | Path, backend) -> LlamaModel:
+    """Load a model directory (config.json + safetensors weights) onto `backend`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ModelFormatError(f"{directory} is not a model directory")
+    config = LlamaConfig.from_file(directory / "config.json")
+    if config.quant is not None:
+        raise ModelFormatError(f"{directory} holds AWQ weights, which this version cannot run yet")
+    return LlamaModel(config, WeightStore(directory), backend)
+
+
+__all__ = ["LlamaConfig", "QuantConfig", "LlamaModel", "expected_shapes", "load_model",
+           "SafetensorsFile", "WeightStore", "write_safetensors"]

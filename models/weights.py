@@ -1,0 +1,200 @@
+"""safetensors files: a memory-mapped reader (no copies) and a streaming writer.
+
+The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length N, N
+bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`,
+then the tensor bytes; offsets count from the end of the header. The `safetensors` package reads the
+files we write and we read its files (tests check both ways). We read it ourselves because the
+package copies every tensor into memory, while a runtime wants pages mapped straight from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from tinyrt.errors import ModelFormatError
+
+# safetensors dtype -> numpy dtype. BF16 has no numpy type: it is read as uint16 bits.
+DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+_NAMES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+          np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
+          np.dtype(np.int8): "I8", np.dtype(np.uint64): "U64", np.dtype(np.uint32): "U32",
+          np.dtype(np.uint16): "U16", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's limit
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32: the high half of an f32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class SafetensorsFile:
+    """One .safetensors file, mapped read-only. `get(name)` returns a view into the mapping."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise ModelFormatError(f"{self.path} is missing") from None
+        bad = f"{self.path} is not a safetensors file"
+        if size < 8:
+            raise ModelFormatError(f"{bad} (only {size} bytes)")
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(MAX_HEADER, size - 8):
+                raise ModelFormatError(f"{bad} (header length {n} exceeds the file)")
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ModelFormatError(f"{bad} (header is not JSON)") from None
+        if not isinstance(header, dict):
+            raise ModelFormatError(f"{bad} (header is not a JSON object)")
+        self.metadata = header.pop("__metadata__", None) or {}
+        data_len = size - 8 - n
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, e in header.items():
+            try:
+                dtype, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+                ok = (dtype in DTYPES and all(isinstance(s, int) and s >= 0 for s in shape)
+                      and isinstance(begin, int) and isinstance(end, int))
+            except (TypeError, KeyError, ValueError):
+                ok = False
+            if not ok:
+                raise ModelFormatError(f"{bad} (bad header entry for {name!r})")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+            if not (0 <= begin <= end <= data_len) or end - begin != nbytes:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {name!r} ({dtype} {list(shape)}) lies outside the file "
+                    f"or has the wrong byte count; the file may be truncated")
+            self.entries[name] = (dtype, shape, 8 + n + begin, nbytes)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > 8 + n else None
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def dtype(self, name: str) -> str:
+        return self.entries[name][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][1]
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as stored (BF16 as uint16 bits), a read-only view of the mapped file."""
+        dtype, shape, offset, nbytes = self.entries[name]
+        if nbytes == 0:
+            empty = np.zeros(shape, DTYPES[dtype])
+            empty.flags.writeable = False
+            return empty
+        buf = self._map[offset:offset + nbytes]
+        return buf.view(DTYPES[dtype]).reshape(shape)
+
+
+class WeightStore:
+    """All tensors of a model directory: `model.safetensors`, or shards named by
+    `model.safetensors.index.json`. Name -> mapped array."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        single = self.directory / "model.safetensors"
+        if index.exists():
+            files = self._shards(index)
+        elif single.exists():
+            files = ["model.safetensors"]
+        else:
+            found = sorted(p.name for p in self.directory.glob("*.safetensors"))
+            if not found:
+                raise ModelFormatError(f"{self.directory} has no .safetensors weights")
+            files = found
+        self.files = [SafetensorsFile(self.directory / f) for f in files]
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in self.files:
+            for k in f.keys():
+                self._where[k] = f
+
+    def _shards(self, index: Path) -> list[str]:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ModelFormatError(f"{index} is not a valid safetensors index") from None
+        for name in names:
+            # A shard name comes from a downloaded file: it must name a file in this directory.
+            if (not isinstance(name, str) or not name or name != os.path.basename(name)
+                    or name in (".", "..") or "\\" in name):
+                raise ModelFormatError(f"{index} names a shard outside the model directory: {name!r}")
+        return names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def dtype(self, name: str) -> str:
+        return self._where[name].dtype(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name].shape(name)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise ModelFormatError(f"{self.directory}: tensor {name!r} is missing")
+        return self._where[name].get(name)
+
+    def get_float(self, name: str) -> np.ndarray:
+        """A float tensor as float16/float32 (bfloat16 widened to float32)."""
+        a = self.get(name)
+        if self.dtype(name) == "BF16":
+            return bf16_to_f32(a)
+        if a.dtype not in (np.float16, np.float32):
+            return a.astype(np.float32)
+        return a
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e[3] for f in self.files for e in f.entries.values())
+
+
+def write_safetensors(path: str | Path, specs: list[tuple[str, np.dtype, tuple[int, ...]]],
+                      arrays: Iterable[np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Stream tensors into a safetensors file without holding them all in memory.
+
+    `specs` lists (name, dtype, shape) in file order; `arrays` yields the tensors in that order (a
+    generator may compute each one on demand). Each array must match its spec.
+    """
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, dtype, shape in specs:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": [int(s) for s in shape],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the reference writer pads the header to 8 bytes
+    it: Iterator[np.ndarray] = iter(arrays)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, dtype, shape in specs:
+            a = next(it, None)
+            if a is None:
+                raise ValueError(f"write_safetensors: no array for {name}")
+            if a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape):
+                raise ValueError(f"write_safetensors: {name} is {a.dtype} {a.shape}, "
+                                 f"expected {np.dtype(dtype)} {tuple(shape)}")
+            f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)

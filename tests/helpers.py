@@ -1,0 +1,106 @@
+"""Tiny random models and tokenizers for tests (written with the reference `safetensors` writer, so
+that our reader is checked against files it did not produce)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+          " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ("The quick brown fox jumps over the lazy dog. 0123456789 Hello, world! "
+          "def f(x):\n    return x * 2\n日本語のテキスト 😀 café naïve\n") * 20
+
+
+def tiny_config(**over) -> dict:
+    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=320,
+               hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+               rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
+               bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    cfg.update(over)
+    return cfg
+
+
+def random_weights(cfg: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    H, I, V, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    Q, G = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg.get("head_dim") or H // Q
+
+    def mat(o, i):
+        return (rng.standard_normal((o, i)) / np.sqrt(i)).astype(dtype)
+
+    def norm(n):
+        return (1 + 0.1 * rng.standard_normal(n)).astype(dtype)
+
+    w = {"model.embed_tokens.weight": rng.standard_normal((V, H)).astype(dtype),
+         "model.norm.weight": norm(H)}
+    if not cfg.get("tie_word_embeddings"):
+        w["lm_head.weight"] = mat(V, H)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        w.update({p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
+                  p + "self_attn.q_proj.weight": mat(Q * D, H), p + "self_attn.k_proj.weight": mat(G * D, H),
+                  p + "self_attn.v_proj.weight": mat(G * D, H), p + "self_attn.o_proj.weight": mat(H, Q * D),
+                  p + "mlp.gate_proj.weight": mat(I, H), p + "mlp.up_proj.weight": mat(I, H),
+                  p + "mlp.down_proj.weight": mat(H, I)})
+    return w
+
+
+def byte_level_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on CORPUS, with ChatML special tokens at ids 0..2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    return tok
+
+
+def write_tiny_model(directory: Path, cfg: dict | None = None, seed: int = 0,
+                     dtype=np.float32, weights: dict | None = None) -> Path:
+    """An HF model directory with random weights and a byte-level BPE tokenizer."""
+    from safetensors.numpy import save_file
+
+    cfg = cfg or tiny_config()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = weights if weights is not None else random_weights(cfg, seed, dtype)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(cfg))
+    tok = byte_level_tokenizer(cfg["vocab_size"])
+    assert tok.get_vocab_size() <= cfg["vocab_size"]
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory
+
+
+def hf_model(directory: Path):
+    """transformers' own model for a directory, float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    """Frobenius-norm relative error of a against the reference b."""
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -1,0 +1,94 @@
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tinyrt.errors import ModelFormatError
+from tinyrt.models.weights import SafetensorsFile, WeightStore, bf16_to_f32, write_safetensors
+
+
+def _arrays(rng):
+    return {"a": rng.standard_normal((3, 5)).astype(np.float32),
+            "b": rng.standard_normal(7).astype(np.float16),
+            "c": rng.integers(-2**31, 2**31, (4, 2), dtype=np.int64).astype(np.int32),
+            "empty": np.zeros((0, 3), np.float32)}
+
+
+def test_our_writer_is_read_by_safetensors(tmp_path):
+    arrays = _arrays(np.random.default_rng(1))
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, [(k, v.dtype, v.shape) for k, v in arrays.items()], arrays.values(),
+                      metadata={"format": "pt"})
+    back = load_file(str(path))
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(back[k], v)
+
+
+def test_safetensors_files_are_read_without_copies(tmp_path):
+    arrays = _arrays(np.random.default_rng(2))
+    path = tmp_path / "y.safetensors"
+    save_file(arrays, str(path))
+    f = SafetensorsFile(path)
+    for k, v in arrays.items():
+        got = f.get(k)
+        np.testing.assert_array_equal(got, v)
+        assert got.dtype == v.dtype and not got.flags.writeable
+    assert isinstance(f.get("a").base, np.ndarray)  # a view into the mapping
+
+
+def test_writer_rejects_a_mismatched_array(tmp_path):
+    with pytest.raises(ValueError, match="expected"):
+        write_safetensors(tmp_path / "z.safetensors", [("a", np.float32, (2, 2))],
+                          [np.zeros((2, 3), np.float32)])
+
+
+def test_bf16_widening():
+    x = np.random.default_rng(3).standard_normal(100).astype(np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncate to bf16
+    got = bf16_to_f32(bits)
+    assert np.all(np.abs(got - x) <= np.abs(x) * 2 ** -7)
+
+
+def test_sharded_index(tmp_path):
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((2, 2)).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+    save_file({"a": a}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": b}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                        "b": "model-00002-of-00002.safetensors"}}))
+    store = WeightStore(tmp_path)
+    np.testing.assert_array_equal(store.get("a"), a)
+    np.testing.assert_array_equal(store.get("b"), b)
+    assert sorted(store.keys()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", ".."])
+def test_index_cannot_name_files_outside_the_directory(tmp_path, shard):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shard}}))
+    with pytest.raises(ModelFormatError, match="outside the model directory"):
+        WeightStore(tmp_path)
+
+
+def test_truncated_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "t.safetensors"
+    save_file({"a": np.ones((64, 64), np.float32)}, str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        SafetensorsFile(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"abc", b"\xff" * 8 + b"{}", b"\x05\x00\x00\x00\x00\x00\x00\x00hello",
+                                     b"\x02\x00\x00\x00\x00\x00\x00\x00[]"])
+def test_not_a_safetensors_file(tmp_path, content):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(ModelFormatError, match="not a safetensors file"):
+        SafetensorsFile(path)
+
+
+def test_missing_weights(tmp_path):
+    with pytest.raises(ModelFormatError, match="no .safetensors"):
+        WeightStore(tmp_path)

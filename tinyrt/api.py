@@ -1,0 +1,129 @@
+"""The Python API: `tinyrt.load()` returns an `LLM` that streams replies."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from tinyrt.errors import ModelFormatError, TinyrtError
+
+from .chat_template import template_from_config
+from .generate import Generation, Response
+from .kernels import get_backend
+from .kv_cache import KVCache
+from .models import load_model
+from .registry import resolve
+from .sampling import Sampler, SamplingParams
+from .tokenizer import load_tokenizer
+
+DEFAULT_KV_SIZE = 4096
+Prompt = str | Sequence[dict]
+
+
+def _generation_config(directory: Path) -> dict:
+    path = directory / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ModelFormatError(f"{path} is not valid JSON") from None
+    return d if isinstance(d, dict) else {}
+
+
+class LLM:
+    """A loaded model with its tokenizer, chat template and KV cache.
+
+    `stream(prompt)` yields `Response`s; `generate(prompt)` returns the reply text. A prompt is a
+    string (a user message, put through the chat template unless `raw=True`) or a list of
+    {"role", "content"} messages.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, device: str = "auto",
+                 threads: int | None = None, kv_size: int | None = None):
+        start = time.perf_counter()
+        self.directory = Path(directory)
+        try:
+            self.backend = get_backend(device, threads)
+        except ValueError as e:
+            raise TinyrtError(str(e)) from None
+        self.model = load_model(self.directory, self.backend)
+        self.config = cfg = self.model.config
+        self.tokenizer = load_tokenizer(self.directory)
+        self.template = template_from_config(self.tokenizer.config)
+        self.generation_config = _generation_config(self.directory)
+        size = kv_size or min(cfg.max_position_embeddings, DEFAULT_KV_SIZE)
+        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                             size, self.backend)
+        gen_eos = self.generation_config.get("eos_token_id")
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos_ids = {i for i in (*cfg.eos_token_ids, *gen_eos, self.tokenizer.eos_id)
+                        if isinstance(i, int)}
+        self.load_s = time.perf_counter() - start
+
+    # -- prompts ------------------------------------------------------------------------------
+
+    def messages(self, prompt: Prompt, system: str | None = None) -> list[dict]:
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system is not None:
+            msgs = [{"role": "system", "content": system}] + [m for m in msgs
+                                                              if m.get("role") != "system"]
+        return msgs
+
+    def prompt_ids(self, prompt: Prompt, *, system: str | None = None, raw: bool = False) -> list[int]:
+        """Token ids for a prompt: the chat template applied (when the model has one) unless raw."""
+        if raw or self.template is None:
+            if not isinstance(prompt, str):
+                raise TinyrtError("a raw prompt must be a string")
+            text = prompt if system is None else f"{system}\n\n{prompt}"
+            return self.tokenizer.encode(text, add_special=True)
+        text = self.template.render(self.messages(prompt, system), add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special=False)
+
+    def sampling_defaults(self) -> dict:
+        """Sampling settings the model's generation_config.json asks for."""
+        g = self.generation_config
+        names = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+                 ("min_p", "min_p"), ("repeat_penalty", "repetition_penalty"))
+        d = {ours: g[theirs] for ours, theirs in names
+             if isinstance(g.get(theirs), (int, float)) and not isinstance(g.get(theirs), bool)}
+        if g.get("do_sample") is False:
+            d["temperature"] = 0.0
+        return d
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def stream(self, prompt: Prompt, *, max_tokens: int = 512, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+               repeat_penalty: float | None = None, seed: int | None = None,
+               stop: Sequence[str] = (), system: str | None = None,
+               raw: bool = False) -> Iterator[Response]:
+        """Stream the reply to `prompt`, one `Response` per token; the last has `finish_reason`."""
+        ids = self.prompt_ids(prompt, system=system, raw=raw)
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                     repeat_penalty=repeat_penalty)
+        params = {**self.sampling_defaults(), **{k: v for k, v in given.items() if v is not None}}
+        sampler = Sampler(SamplingParams(seed=seed, **params))
+        if max_tokens <= 0:
+            raise TinyrtError("max tokens must be positive")
+        self.cache.reset()
+        yield from Generation(self.model, self.cache, self.tokenizer, ids, sampler,
+                              max_tokens=max_tokens, eos_ids=self.eos_ids, stop=stop,
+                              load_s=self.load_s)
+
+    def generate(self, prompt: Prompt, **options) -> str:
+        """The whole reply as text (options as for `stream`)."""
+        return "".join(r.text for r in self.stream(prompt, **options))
+
+
+def load(model: str | os.PathLike | None = None, *, device: str = "auto",
+         threads: int | None = None, kv_size: int | None = None, quiet: bool = False) -> LLM:
+    """Load a model: a model directory, a GGUF file or HF directory (converted once and cached),
+    a known name, or None for the default model (fetched and converted on first use)."""
+    start = time.perf_counter()
+    llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, kv_size=kv_size)
+    llm.load_s = time.perf_counter() - start
+    return llm

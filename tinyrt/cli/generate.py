@@ -1,0 +1,48 @@
+"""`tinyrt generate`: one prompt, the reply streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .options import add_generation_options, add_model_option, generation_kwargs, load_llm
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a reply to one prompt",
+                       description="Stream a reply to PROMPT ('-' reads it from stdin).")
+    add_model_option(p)
+    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--stats", action="store_true", help="print timings to stderr")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_generation_options(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = load_llm(args)
+    text, tokens, last = [], 0, None
+    for r in llm.stream(prompt, raw=args.raw, **generation_kwargs(args)):
+        last = r
+        tokens += r.token is not None
+        if args.json:
+            text.append(r.text)
+        elif r.text:
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+    t = last.timings
+    timings = {"load_s": t.load_s, "ttft_s": t.ttft_s, "prefill_tok_s": t.prefill_tok_s,
+               "decode_tok_s": t.decode_tok_s}
+    if args.json:
+        print(json.dumps({"text": "".join(text), "tokens": tokens,
+                          "finish_reason": last.finish_reason, "timings": timings}))
+        return 0
+    print()
+    if args.stats:
+        print(f"load {t.load_s:.2f} s · ttft {t.ttft_s * 1000:.0f} ms · "
+              f"prefill {t.prompt_tokens} tok @ {t.prefill_tok_s:.1f} tok/s · "
+              f"decode {t.generated_tokens} tok @ {t.decode_tok_s:.1f} tok/s · "
+              f"finish {last.finish_reason}", file=sys.stderr)
+    return 0

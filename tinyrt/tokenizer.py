@@ -1,0 +1,222 @@
+"""Tokenizers of a model directory, and incremental detokenization for streaming.
+
+`tokenizer.json` is read with HF `tokenizers` (byte-level BPE, SentencePiece-style BPE, ...);
+a directory with only `tokenizer.model` is read with `sentencepiece`, special tokens split out of
+the text first and each piece of text between them encoded on its own (as llama.cpp does).
+`tokenizer_config.json` supplies the BOS/EOS strings, `add_bos_token` and the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from tinyrt.errors import ModelFormatError
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ModelFormatError(f"{path} must hold a JSON object")
+    return d
+
+
+def token_text(t: Any) -> str | None:
+    """A special-token entry: a string, or an AddedToken dict with "content"."""
+    if isinstance(t, dict):
+        t = t.get("content")
+    return t if isinstance(t, str) else None
+
+
+class Tokenizer:
+    """Text <-> token ids. Use `load_tokenizer(directory)`."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.bos_token = token_text(config.get("bos_token"))
+        self.eos_token = token_text(config.get("eos_token"))
+        self.bos_id = self.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self.token_to_id(self.eos_token) if self.eos_token else None
+
+    # implemented by the two kinds below
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token strings in the text become their ids; with
+        `add_special`, the BOS (or whatever the tokenizer adds) is added as the model expects."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        raise NotImplementedError
+
+    def token_to_id(self, token: str) -> int | None:
+        raise NotImplementedError
+
+    def id_to_token(self, i: int) -> str | None:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def special_ids(self) -> set[int]:
+        raise NotImplementedError
+
+
+class HFTokenizer(Tokenizer):
+    def __init__(self, path: Path, config: dict):
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            self.tok = _Tok.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises bare Exceptions on bad files
+            raise ModelFormatError(f"{path} is not a valid tokenizer.json ({str(e)[:200]})") from None
+        super().__init__(config)
+        self._special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special).ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_ids(self) -> set[int]:
+        return self._special
+
+
+class SPTokenizer(Tokenizer):
+    def __init__(self, path: Path, config: dict):
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.load(str(path))
+        except (OSError, RuntimeError) as e:
+            raise ModelFormatError(f"{path} is not a valid sentencepiece model ({e})") from None
+        n = self.sp.get_piece_size()
+        self._special = {i for i in range(n) if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        splits = {i: self.sp.id_to_piece(i) for i in range(n)
+                  if self.sp.is_control(i) or self.sp.is_user_defined(i)}
+        # tokens added in tokenizer_config.json (AddedToken dicts keyed by id)
+        for key, t in (config.get("added_tokens_decoder") or {}).items():
+            text = token_text(t)
+            if text and str(key).isdigit() and int(key) < n:
+                splits[int(key)] = text
+                if isinstance(t, dict) and t.get("special", True):
+                    self._special.add(int(key))
+        self._by_text = {t: i for i, t in splits.items() if t}
+        # longest first, so that "<|a|>b" wins over "<|a|>" at the same place
+        alternatives = sorted(self._by_text, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else None
+        super().__init__(config)
+        self.add_bos = bool(config.get("add_bos_token", True))
+
+    def _fragments(self, text: str) -> Iterable[str | int]:
+        """Text pieces and special-token ids, in order."""
+        parts = self._split.split(text) if self._split else [text]
+        for k, part in enumerate(parts):
+            if k % 2:
+                yield self._by_text[part]
+            elif part:
+                yield part
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        ids = [self.bos_id] if add_special and self.add_bos and self.bos_id is not None else []
+        for frag in self._fragments(text):
+            ids.extend([frag] if isinstance(frag, int) else self.sp.encode(frag))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        ids = [int(i) for i in ids if not (skip_special and i in self._special)]
+        return self.sp.decode(ids)
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.piece_to_id(token)
+        return None if i == self.sp.unk_id() and token != self.sp.id_to_piece(i) else i
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.sp.id_to_piece(i) if 0 <= i < self.sp.get_piece_size() else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    @property
+    def special_ids(self) -> set[int]:
+        return self._special
+
+
+def tokenizer_config(directory: str | Path) -> dict:
+    """tokenizer_config.json, with BOS/EOS filled from special_tokens_map.json where missing, and
+    the chat template from chat_template.jinja/.json where the config has none."""
+    directory = Path(directory)
+    config = _read_json(directory / "tokenizer_config.json")
+    for key, value in _read_json(directory / "special_tokens_map.json").items():
+        config.setdefault(key, value)
+    if not config.get("chat_template"):
+        jinja = directory / "chat_template.jinja"
+        if jinja.exists():
+            config["chat_template"] = jinja.read_text(encoding="utf-8")
+        else:
+            config["chat_template"] = _read_json(directory / "chat_template.json").get("chat_template")
+    return config
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer of a model directory: tokenizer.json if present, else tokenizer.model."""
+    directory = Path(directory)
+    config = tokenizer_config(directory)
+    if (directory / "tokenizer.json").exists():
+        return HFTokenizer(directory / "tokenizer.json", config)
+    if (directory / "tokenizer.model").exists():
+        return SPTokenizer(directory / "tokenizer.model", config)
+    raise ModelFormatError(f"{directory} has no tokenizer.json or tokenizer.model")
+
+
+class Detokenizer:
+    """Turns a stream of token ids into text deltas without re-decoding the whole sequence and
+    without ever emitting half a UTF-8 character.
+
+    It decodes a short window: the tokens already emitted since the last boundary (`prefix`) and
+    the new ones. Text is released once the window decodes to more than its prefix and does not end
+    in U+FFFD (the mark of an incomplete byte sequence).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0    # end of the tokens whose text has been released
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        done = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(done):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end of the stream."""
+        done = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]
