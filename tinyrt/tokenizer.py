@@ -112,8 +112,9 @@ class SPTokenizer(Tokenizer):
             raise ModelFormatError(f"{path} is not a valid sentencepiece model ({e})") from None
         n = self.sp.get_piece_size()
         self._special = {i for i in range(n) if self.sp.is_control(i) or self.sp.is_unknown(i)}
-        splits = {i: self.sp.id_to_piece(i) for i in range(n)
-                  if self.sp.is_control(i) or self.sp.is_user_defined(i)}
+        # Control pieces never come out of sentencepiece's own encoding of text, so they are split
+        # out first; user-defined pieces sentencepiece already keeps whole.
+        splits = {i: self.sp.id_to_piece(i) for i in range(n) if self.sp.is_control(i)}
         # tokens added in tokenizer_config.json (AddedToken dicts keyed by id)
         for key, t in (config.get("added_tokens_decoder") or {}).items():
             text = token_text(t)
@@ -125,6 +126,11 @@ class SPTokenizer(Tokenizer):
         # longest first, so that "<|a|>b" wins over "<|a|>" at the same place
         alternatives = sorted(self._by_text, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else None
+        # a bare tokenizer.model names its own BOS/EOS
+        config = dict(config)
+        for key, i in (("bos_token", self.sp.bos_id()), ("eos_token", self.sp.eos_id())):
+            if not config.get(key) and i >= 0:
+                config[key] = self.sp.id_to_piece(i)
         super().__init__(config)
         self.add_bos = bool(config.get("add_bos_token", True))
 

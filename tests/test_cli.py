@@ -1,0 +1,129 @@
+"""The command line as a user runs it: the real `tinyrt` command in a subprocess."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import tiny_config, write_tiny_model
+
+
+def tinyrt(*args, input=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "tinyrt", *args], input=input, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _one_line_error(p, words):
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tinyrt: error:"), p.stderr
+    assert words in lines[0], lines[0]
+
+
+@pytest.mark.real_model
+def test_generate_default_model(smol_f16):
+    p = tinyrt("generate", "What is the capital of France?", "--temperature", "0", "--stats")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+    assert "prefill" in p.stderr and "decode" in p.stderr and "ttft" in p.stderr
+
+
+@pytest.mark.real_model
+def test_generate_json_contract(smol_f16):
+    p = tinyrt("generate", "-m", str(smol_f16), "Count to three.", "--json", "-n", "8", "--seed", "1")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert set(out) >= {"text", "tokens", "finish_reason", "timings"}
+    assert set(out["timings"]) >= {"load_s", "ttft_s", "prefill_tok_s", "decode_tok_s"}
+    assert out["tokens"] <= 8 and out["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.real_model
+def test_chat_over_piped_stdin(smol_f16):
+    p = tinyrt("chat", "--temperature", "0", input="What is the capital of France?\nAnd of Spain?\n")
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout and "Madrid" in p.stdout
+
+
+@pytest.mark.real_model
+def test_info(smol_f16, default_gguf):
+    p = tinyrt("info", str(smol_f16))
+    assert p.returncode == 0 and "num_key_value_heads" in p.stdout and "F16" in p.stdout
+    p = tinyrt("info", str(default_gguf))
+    assert p.returncode == 0 and "Q4_1" in p.stdout
+
+
+def test_errors_are_one_clear_line(tmp_path):
+    d = write_tiny_model(tmp_path / "ok", tiny_config())
+    _one_line_error(tinyrt("generate", "-m", str(tmp_path / "nope"), "hi"), "neither a file")
+    _one_line_error(tinyrt("generate", "-m", "no-such-model", "hi"), "known name")
+    _one_line_error(tinyrt("info", "no-such-model"), "known name")
+
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    for f in d.iterdir():
+        (trunc / f.name).write_bytes(f.read_bytes())
+    st = trunc / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:-1000])
+    _one_line_error(tinyrt("generate", "-m", str(trunc), "hi"), "truncated")
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"this is not a model at all" * 10)
+    _one_line_error(tinyrt("generate", "-m", str(fake), "hi"), "not a GGUF file")
+
+    for name, change, words in [("arch", {"model_type": "gpt_neox"}, "unsupported architecture"),
+                                ("heads", {"num_key_value_heads": 4}, "multiple of num_key_value_heads")]:
+        bad = tmp_path / name
+        bad.mkdir()
+        for f in d.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg.update(change)
+        (bad / "config.json").write_text(json.dumps(cfg))
+        _one_line_error(tinyrt("generate", "-m", str(bad), "hi"), words)
+
+    _one_line_error(tinyrt("generate", "-m", str(d), "hi " * 50, "--kv-size", "16"), "prompt has")
+    _one_line_error(tinyrt("convert", str(d), str(d)), "already exists")
+    _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--top-p", "2"), "top-p")
+
+
+def test_convert_interrupted_in_process_leaves_nothing(tmp_path):
+    from tinyrt.converters import convert
+
+    d = write_tiny_model(tmp_path / "src", tiny_config())
+
+    def interrupt(done, total, name):
+        if done == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(d, tmp_path / "out", progress=interrupt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_convert_killed_leaves_no_output(tmp_path, default_gguf, sig):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "tinyrt", "convert", str(default_gguf), str(out),
+                             "--dtype", "f32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.tmp-*/model.safetensors")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # well into writing the weights
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert not out.exists()
+    if sig == signal.SIGINT:  # cleaned up on the way out
+        assert list(tmp_path.iterdir()) == []
+    # a later conversion sweeps what a killed one left and completes
+    p = tinyrt("convert", str(default_gguf), str(out), "--dtype", "f16")
+    assert p.returncode == 0, p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out"]

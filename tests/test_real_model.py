@@ -1,0 +1,69 @@
+"""The float path on the real default model against HF transformers loading the same GGUF."""
+
+import numpy as np
+import pytest
+
+import tinyrt
+from helpers import hf_logits, rel_err
+
+pytestmark = [pytest.mark.real_model, pytest.mark.oracle]
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three fruits.",
+    "Translate 'good morning' into Spanish.",
+    "Count to five.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm32(smol_f32):
+    return tinyrt.LLM(smol_f32)
+
+
+@pytest.fixture(scope="module")
+def llm16(smol_f16):
+    return tinyrt.LLM(smol_f16)
+
+
+def _greedy(llm, prompt, n=64):
+    return [r.token for r in llm.stream(prompt, max_tokens=n, temperature=0) if r.token is not None]
+
+
+def _hf_greedy(model, ids, eos_ids, n=64):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0])
+    toks = out[0][len(ids):].tolist()
+    return [t for t in toks if t not in eos_ids]
+
+
+def test_logits_agree_with_transformers_over_256_tokens(llm32, hf_gguf_model, wikitext):
+    ids = llm32.tokenizer.encode(wikitext[:4000])[:256]
+    assert len(ids) == 256
+    llm32.cache.reset()
+    ours = llm32.model.forward(ids, llm32.cache, all_logits=True)
+    want = hf_logits(hf_gguf_model, ids)
+    err = rel_err(ours, want)
+    print(f"\nlogits relative error (Frobenius) over 256 tokens: {err:.2e}; "
+          f"max abs {np.abs(ours - want).max():.2e}")
+    assert err <= 1e-3
+    assert np.abs(ours - want).max() <= 1e-3 * np.abs(want).max()
+    assert (ours.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_64_tokens_identical_f32_and_f16(llm32, llm16, hf_gguf_model, prompt):
+    ids = llm32.prompt_ids(prompt)
+    want = _hf_greedy(hf_gguf_model, ids, llm32.eos_ids)
+    assert _greedy(llm32, prompt) == want
+    assert _greedy(llm16, prompt) == want
+
+
+def test_golden_answer(llm16):
+    assert llm16.generate("What is the capital of France?", temperature=0) == \
+        "The capital of France is Paris."
