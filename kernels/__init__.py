@@ -13,9 +13,16 @@ DEVICES = ("auto", "cpu", "reference")
 
 def get_backend(device: str = "auto", threads: int | None = None):
     """The backend for `device`: "reference" is NumPy; "cpu" and "auto" pick the fastest CPU
-    backend there is (today the NumPy one). Raises ValueError for an unknown device."""
+    backend there is (today the NumPy one). `threads` caps the threads of the BLAS library NumPy
+    calls (process-wide). Raises ValueError for an unknown device or thread count."""
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(threads, user_api="blas")
     return ReferenceBackend()
 
 
