@@ -64,7 +64,8 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "f16", force: bool
         for i, (name, a) in enumerate((n, a) for n, a in source.tensors() if n in wanted):
             if progress:
                 progress(i, len(names), name)
-            b = a.astype(np_dtype)
+            with np.errstate(over="ignore"):  # checked just below, with a clearer message
+                b = a.astype(np_dtype)
             if not np.isfinite(b).all():
                 where = "overflows float16" if np.isfinite(a).all() else "holds inf or nan"
                 raise ModelFormatError(f"{source.path}: tensor {name!r} {where}"

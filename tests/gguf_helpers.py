@@ -26,6 +26,8 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_name(hf: str) -> str:
+    if hf == "rope_freqs.weight":
+        return hf
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     if hf in fixed:

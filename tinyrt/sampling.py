@@ -16,9 +16,11 @@ from tinyrt.errors import TinyrtError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """0 disables top_k; 1.0 disables top_p and repeat_penalty; 0 disables min_p."""
+    """temperature 0 is greedy (the default, as in HF transformers and mlx-lm; the model's
+    generation_config.json or the caller may ask for sampling). 0 disables top_k; 1.0 disables top_p
+    and repeat_penalty; 0 disables min_p."""
 
-    temperature: float = 0.8
+    temperature: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05

@@ -1,0 +1,94 @@
+"""Conversion of HF directories and GGUF metadata into model directories."""
+
+import json
+
+import numpy as np
+import pytest
+
+from gguf_helpers import write_gguf
+from helpers import byte_level_tokenizer, hf_logits, hf_model, random_weights, rel_err, tiny_config, write_tiny_model
+from tinyrt.converters import convert
+from tinyrt.errors import ModelFormatError
+from tinyrt.kernels import get_backend
+from tinyrt.kv_cache import KVCache
+from tinyrt.models import LlamaConfig, WeightStore, load_model
+from tinyrt.models.rope import rope_inv_freq
+
+
+def _logits(directory, ids):
+    m = load_model(directory, get_backend("reference"))
+    c = m.config
+    return m.forward(ids, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend),
+                     all_logits=True)
+
+
+def test_sharded_bf16_hf_directory(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = tiny_config(torch_dtype="bfloat16", tie_word_embeddings=True)
+    src = write_tiny_model(tmp_path / "src", cfg)
+    (src / "model.safetensors").unlink()
+    w = {k: torch.from_numpy(v).bfloat16() for k, v in random_weights(cfg, 9).items()}
+    names = sorted(w)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for f, ns in shards.items():
+        save_file({n: w[n] for n in ns}, str(src / f), metadata={"format": "pt"})
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    ids = np.random.default_rng().integers(0, 320, 24)
+    want = hf_logits(hf_model(src), ids)
+    out32 = convert(src, tmp_path / "f32", dtype="f32")
+    assert rel_err(_logits(out32, ids), want) < 1e-5       # bf16 widens to f32 exactly
+    out16 = convert(src, tmp_path / "f16", dtype="f16")
+    assert WeightStore(out16).dtype("model.norm.weight") == "F16"
+    assert rel_err(_logits(out16, ids), want) < 1e-2
+    assert (out16 / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert json.loads((out16 / "config.json").read_text())["torch_dtype"] == "float16"
+    assert rel_err(hf_logits(hf_model(out16), ids), want) < 1e-2  # transformers reads our output
+
+
+def test_unexpected_tensors_are_refused(tmp_path):
+    cfg = tiny_config()
+    w = random_weights(cfg)
+    w["model.layers.0.self_attn.q_proj.bias"] = np.zeros(96, np.float32)
+    src = write_tiny_model(tmp_path / "src", cfg, weights=w)
+    with pytest.raises(ModelFormatError, match="unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_f16_overflow_is_refused(tmp_path):
+    cfg = tiny_config()
+    w = random_weights(cfg)
+    w["model.norm.weight"][3] = 1e6
+    src = write_tiny_model(tmp_path / "src", cfg, weights=w)
+    with pytest.raises(ModelFormatError, match="overflows float16.*--dtype f32"):
+        convert(src, tmp_path / "out", dtype="f16")
+    convert(src, tmp_path / "out", dtype="f32")
+
+
+def _llama3(cfg):
+    return {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("matches", [True, False])
+def test_gguf_rope_freqs_become_llama3_scaling(tmp_path, matches):
+    """Llama 3.1 GGUF files carry per-frequency divisors (rope_freqs), not the parameters."""
+    cfg = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                      rope_theta=500000.0, max_position_embeddings=131072)
+    base = LlamaConfig.from_dict(cfg)
+    scaled = LlamaConfig.from_dict({**cfg, "rope_scaling": _llama3(cfg)})
+    freqs = (rope_inv_freq(base) / rope_inv_freq(scaled)).astype(np.float32)
+    if not matches:
+        freqs[3] *= 1.5
+    path = tmp_path / "m.gguf"
+    tok = byte_level_tokenizer(cfg["vocab_size"])
+    write_gguf(path, cfg, {**random_weights(cfg), "rope_freqs.weight": freqs}, tok.to_str())
+    if matches:
+        out = convert(path, tmp_path / "out")
+        assert json.loads((out / "config.json").read_text())["rope_scaling"] == _llama3(cfg)
+    else:
+        with pytest.raises(ModelFormatError, match="rope_freqs"):
+            convert(path, tmp_path / "out")
