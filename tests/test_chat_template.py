@@ -27,10 +27,10 @@ def test_prompt_ids_equal_transformers_apply_chat_template(smol_f16, hf_gguf_tok
 
 def test_system_message_option_replaces_the_system_turn():
     t = ChatTemplate(CHATML)
-    from tinyrt.api import LLM
+    from tinyrt.api import chat_messages
 
-    msgs = LLM.messages(None, [{"role": "system", "content": "old"}, {"role": "user", "content": "q"}],
-                        system="new")
+    msgs = chat_messages([{"role": "system", "content": "old"}, {"role": "user", "content": "q"}],
+                         system="new")
     assert t.render(msgs) == "<|im_start|>system\nnew<|im_end|>\n<|im_start|>user\nq<|im_end|>\n" \
                              "<|im_start|>assistant\n"
 

@@ -57,29 +57,20 @@ def test_f32_gguf_gives_back_the_source_weights(tmp_path):
         np.testing.assert_array_equal(store.get(name), w)
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_quantized_gguf_matches_transformers(tmp_path, qtype):
-    cfg = tiny_config()
+    kquant = qtype.endswith("_K")  # blocks of 256: rows of 256 and more
+    cfg = (tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2) if kquant else tiny_config())
     path, _, back = _tiny_gguf(tmp_path, cfg, qtype)
     out = convert(path, tmp_path / "out", dtype="f32")
     store = WeightStore(out)
     for name, w in back.items():
         np.testing.assert_allclose(store.get(name), w, rtol=0, atol=1e-6)
     ids = np.random.default_rng().integers(0, cfg["vocab_size"], 24)
-    assert rel_err(_ours_logits(out, ids), _hf_gguf_logits(path, ids)) < 1e-5
-
-
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
-def test_kquant_gguf_matches_transformers(tmp_path, qtype):
-    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                      num_key_value_heads=2)
-    path, _, back = _tiny_gguf(tmp_path, cfg, qtype)
-    out = convert(path, tmp_path / "out", dtype="f32")
-    store = WeightStore(out)
-    for name, w in back.items():
-        np.testing.assert_allclose(store.get(name), w, rtol=0, atol=1e-6)
-    ids = np.random.default_rng().integers(0, cfg["vocab_size"], 16)
-    assert rel_err(_ours_logits(out, ids), _hf_gguf_logits(path, ids)) < 1e-4
+    # random K-quant blocks make large activations: float32 rounding shows a little more
+    assert rel_err(_ours_logits(out, ids), _hf_gguf_logits(path, ids)) < (1e-4 if kquant else 1e-5)
 
 
 def test_gguf_tokenizer_equals_its_source(tmp_path):

@@ -34,6 +34,14 @@ def _generation_config(directory: Path) -> dict:
     return d if isinstance(d, dict) else {}
 
 
+def chat_messages(prompt: Prompt, system: str | None = None) -> list[dict]:
+    """A prompt as chat messages; `system` replaces any system message."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system is not None:
+        msgs = [{"role": "system", "content": system}] + [m for m in msgs if m.get("role") != "system"]
+    return msgs
+
+
 class LLM:
     """A loaded model with its tokenizer, chat template and KV cache.
 
@@ -66,13 +74,6 @@ class LLM:
 
     # -- prompts ------------------------------------------------------------------------------
 
-    def messages(self, prompt: Prompt, system: str | None = None) -> list[dict]:
-        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system is not None:
-            msgs = [{"role": "system", "content": system}] + [m for m in msgs
-                                                              if m.get("role") != "system"]
-        return msgs
-
     def prompt_ids(self, prompt: Prompt, *, system: str | None = None, raw: bool = False) -> list[int]:
         """Token ids for a prompt: the chat template applied (when the model has one) unless raw."""
         if raw or self.template is None:
@@ -80,7 +81,7 @@ class LLM:
                 raise TinyrtError("a raw prompt must be a string")
             text = prompt if system is None else f"{system}\n\n{prompt}"
             return self.tokenizer.encode(text, add_special=True)
-        text = self.template.render(self.messages(prompt, system), add_generation_prompt=True)
+        text = self.template.render(chat_messages(prompt, system), add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special=False)
 
     def sampling_defaults(self) -> dict:

@@ -1,8 +1,9 @@
 """The generation loop: token ids, then response objects with text deltas and timings.
 
-Layers: `generate_tokens` runs prefill and decode and yields token ids; `Generation` turns them into
-`Response`s (incremental detokenization, stop strings, EOS, max tokens) and keeps the timings, the
-one place where time is measured. Printers (CLI, chat) only read the responses.
+Layers: `Generation._token_ids` runs prefill and decode and yields token ids; iterating a
+`Generation` turns them into `Response`s (incremental detokenization, stop strings, EOS, max tokens)
+and keeps the timings, the one place where time is measured. Printers (CLI, chat) only read the
+responses.
 """
 
 from __future__ import annotations
