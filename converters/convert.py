@@ -1,30 +1,36 @@
-"""`tinyrt convert`: a GGUF file or HF directory in, a model directory (DESIGN.md) out."""
+"""`tinyrt convert`: a GGUF file or HF directory in, a model directory (DESIGN.md) out — float
+weights (method "none") or 4-bit AWQ / round-to-nearest in the AutoAWQ GEMM layout."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from tinyrt.errors import ModelFormatError, TinyrtError
+from tinyrt.kernels import awq_layout
 from tinyrt.models.config import LlamaConfig
-from tinyrt.models.llama import expected_shapes
+from tinyrt.models.llama import expected_shapes, linear_shapes
 from tinyrt.models.weights import write_safetensors
 
+from . import calibration
+from .awq import LINEAR_KEYS, NORM_KEYS, QuantOptions, quantize_model
 from .sources import Source, open_source
 from .writer import atomic_directory, write_json
 
+METHODS = ("awq", "rtn", "none")
 FLOAT_DTYPES = {"f16": np.float16, "f32": np.float32}
 TORCH_DTYPE_NAMES = {"f16": "float16", "f32": "float32"}
+GROUP_SIZES = (128, 64, 32)
 
-# progress(done, total, what): called as tensors are written
+# progress(done, total, what): called as tensors (float) or layers (quantized) are done
 Progress = Callable[[int, int, str], None]
 
 
 def check_tensors(source: Source, cfg: LlamaConfig) -> list[str]:
-    """The tensors to write, in the source's order; a clear error for any missing, misshapen or
-    unexpected tensor, before anything is written."""
+    """The tensors to carry over, in the source's order; a clear error for any missing, misshapen
+    or unexpected tensor, before anything is written."""
     expected = expected_shapes(cfg)
     missing = [n for n in expected if n not in source.shapes]
     if missing:
@@ -44,12 +50,108 @@ def check_tensors(source: Source, cfg: LlamaConfig) -> list[str]:
     return names
 
 
-def convert(src: str | Path, out: str | Path, *, dtype: str = "f16", force: bool = False,
+def choose_group_size(cfg: LlamaConfig, requested: int | None) -> int:
+    """The requested group size if it divides every linear layer's input, else a clear error; with
+    none requested, the largest of 128, 64, 32 that does."""
+    dims = linear_shapes(cfg)
+    fits = [g for g in GROUP_SIZES if all(i % g == 0 for _, i in dims.values())]
+    if any(o % awq_layout.PACK for o, _ in dims.values()):
+        raise TinyrtError("a linear layer's output size is not a multiple of 8: the AWQ layout "
+                          "cannot hold it")
+    if requested is None:
+        if not fits:
+            raise TinyrtError("no group size of 128, 64 or 32 divides every layer's input")
+        return fits[0]
+    if requested <= 0:
+        raise TinyrtError(f"group size must be positive, got {requested}")
+    for name, (_, inp) in dims.items():
+        if inp % requested:
+            hint = f"sizes that fit every layer: {', '.join(map(str, fits))}" if fits else \
+                "no group size of 128, 64 or 32 fits"
+            raise TinyrtError(f"group size {requested} does not divide the {inp} inputs of {name} "
+                              f"({hint})")
+    return requested
+
+
+def _float_tensors(source: Source, names: list[str], np_dtype, progress: Progress | None):
+    for i, name in enumerate(names):
+        if progress:
+            progress(i, len(names), name)
+        yield name, _cast(source.get(name), np_dtype, name, source.path)
+    if progress:
+        progress(len(names), len(names), "done")
+
+
+def _cast(a: np.ndarray, np_dtype, name: str, where) -> np.ndarray:
+    with np.errstate(over="ignore"):  # checked just below, with a clearer message
+        b = a.astype(np_dtype)
+    if not np.isfinite(b).all():
+        reason = "overflows float16 (convert with --dtype f32)" if np.isfinite(a).all() \
+            else "holds inf or nan"
+        raise ModelFormatError(f"{where}: tensor {name!r} {reason}")
+    return b
+
+
+def _quantized_tensors(source: Source, cfg: LlamaConfig, opts: QuantOptions, calib_ids,
+                       np_dtype, progress: Progress | None) -> Iterator[tuple[str, np.ndarray]]:
+    yield "model.embed_tokens.weight", _cast(source.get("model.embed_tokens.weight"), np_dtype,
+                                              "model.embed_tokens.weight", source.path)
+    layers = quantize_model(cfg, source.get, calib_ids, opts,
+                            progress and (lambda d, t: progress(d, t, "layers")))
+    for _, tensors in layers:
+        for name, t in tensors.items():
+            yield name, (t if t.dtype in (np.int32, np.float16) else _cast(t, np_dtype, name, source.path))
+    yield "model.norm.weight", _cast(source.get("model.norm.weight"), np_dtype, "model.norm.weight",
+                                     source.path)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", _cast(source.get("lm_head.weight"), np_dtype, "lm_head.weight",
+                                      source.path)
+
+
+def _quantized_specs(cfg: LlamaConfig, g: int, np_dtype) -> list[tuple[str, np.dtype, tuple]]:
+    """File order of a quantized model, as `_quantized_tensors` yields it."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    dims = linear_shapes(cfg)
+    specs = [("model.embed_tokens.weight", np_dtype, (V, H))]
+    part_dtypes = {"qweight": np.int32, "qzeros": np.int32, "scales": np.float16}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        specs += [(p + n + ".weight", np_dtype, (H,)) for n in NORM_KEYS.values()]
+        for n in LINEAR_KEYS.values():
+            out_f, in_f = dims[p + n]
+            for part, shape in awq_layout.shapes(in_f, out_f, g).items():
+                specs.append((f"{p}{n}.{part}", part_dtypes[part], shape))
+    specs.append(("model.norm.weight", np_dtype, (H,)))
+    if not cfg.tie_word_embeddings:
+        specs.append(("lm_head.weight", np_dtype, (V, H)))
+    return specs
+
+
+def _checked(specs, named: Iterator[tuple[str, np.ndarray]]) -> Iterator[np.ndarray]:
+    for (want, _, _), (name, a) in zip(specs, named):
+        if name != want:  # a programming error, not bad input
+            raise AssertionError(f"tensor order: expected {want}, got {name}")
+        yield a
+
+
+def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str = "f16",
+            bits: int = 4, group_size: int | None = None, calib: str | Path | None = None,
+            calib_samples: int = calibration.DEFAULT_SAMPLES,
+            calib_seqlen: int = calibration.DEFAULT_SEQLEN, clip: bool = True,
+            duo_scaling: bool = True, seed: int = 0, force: bool = False,
             progress: Progress | None = None) -> Path:
-    """Convert `src` into the model directory `out` with float weights of `dtype` (f16 or f32).
-    Written to a temporary directory and renamed into place when complete."""
+    """Convert `src` into the model directory `out`.
+
+    method "none" keeps float weights of `dtype`; "rtn" and "awq" quantize every decoder linear to
+    4-bit groups (AWQ calibrates on `calib`, by default the Python documentation); the other
+    tensors are stored as `dtype`. Written to a temporary directory and renamed into place when
+    complete."""
+    if method not in METHODS:
+        raise TinyrtError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     if dtype not in FLOAT_DTYPES:
         raise TinyrtError(f"unknown dtype {dtype!r} (choose f16 or f32)")
+    if method != "none" and bits != 4:
+        raise TinyrtError("only 4-bit weights are supported (--w-bit 4)")
     out = Path(out)
     if out.exists() and not force:
         raise TinyrtError(f"{out} already exists (use --force to replace it)")
@@ -57,31 +159,51 @@ def convert(src: str | Path, out: str | Path, *, dtype: str = "f16", force: bool
     cfg = LlamaConfig.from_dict(source.config)
     names = check_tensors(source, cfg)
     np_dtype = FLOAT_DTYPES[dtype]
-    specs = [(n, np_dtype, tuple(source.shapes[n])) for n in names]
-    wanted = set(names)
-
-    def arrays():
-        for i, (name, a) in enumerate((n, a) for n, a in source.tensors() if n in wanted):
-            if progress:
-                progress(i, len(names), name)
-            with np.errstate(over="ignore"):  # checked just below, with a clearer message
-                b = a.astype(np_dtype)
-            if not np.isfinite(b).all():
-                where = "overflows float16" if np.isfinite(a).all() else "holds inf or nan"
-                raise ModelFormatError(f"{source.path}: tensor {name!r} {where}"
-                                       + (" (convert with --dtype f32)" if dtype == "f16" else ""))
-            yield b
-        if progress:
-            progress(len(names), len(names), "done")
-
     config = {k: v for k, v in source.config.items() if k != "quantization_config"}
     config["torch_dtype"] = TORCH_DTYPE_NAMES[dtype]
+    if method != "none":
+        g = choose_group_size(cfg, group_size)
+        opts = QuantOptions(method=method, group_size=g, bits=bits, clip=clip,
+                            duo_scaling=duo_scaling)
+        config["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": g,
+                                         "zero_point": True, "version": "gemm"}
+        calib_text = None
+        if method == "awq":
+            calib_text = calibration.read_text(calib) if calib else calibration.default_text()
     with atomic_directory(out, force=force) as tmp:
-        write_safetensors(tmp / "model.safetensors", specs, arrays(), metadata={"format": "pt"})
-        write_json(tmp / "config.json", config)
+        for name, content in source.files.items():
+            (tmp / name).write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
         if source.generation_config:
             write_json(tmp / "generation_config.json", source.generation_config)
-        for name, content in source.files.items():
-            data = content.encode("utf-8") if isinstance(content, str) else content
-            (tmp / name).write_bytes(data)
+        if method == "none":
+            specs = [(n, np_dtype, tuple(source.shapes[n])) for n in names]
+            named = _float_tensors(source, names, np_dtype, progress)
+        else:
+            calib_ids = None
+            if method == "awq":
+                from tinyrt.tokenizer import load_tokenizer
+
+                calib_ids = calibration.calibration_ids(load_tokenizer(tmp).encode, calib_text,
+                                                        calib_samples, calib_seqlen, seed)
+            specs = _quantized_specs(cfg, g, np_dtype)
+            named = _quantized_tensors(source, cfg, opts, calib_ids, np_dtype, progress)
+        write_safetensors(tmp / "model.safetensors", specs, _checked(specs, named),
+                          metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
     return out
+
+
+def bits_per_weight(directory: str | Path) -> tuple[float, float]:
+    """(bits per weight of the quantized linears, bits per parameter of the whole file)."""
+    from tinyrt.models.weights import WeightStore
+
+    store = WeightStore(directory)
+    cfg = LlamaConfig.from_file(Path(directory) / "config.json")
+    lin_bits = lin_n = 0
+    for name, (o, i) in linear_shapes(cfg).items():
+        parts = [k for k in store.keys() if k.startswith(name + ".")]
+        lin_bits += sum(8 * store.get(k).nbytes for k in parts)
+        lin_n += o * i
+    other = [k for k in store.keys() if not any(k.startswith(n + ".") for n in linear_shapes(cfg))]
+    n_other = sum(int(np.prod(store.shape(k))) for k in other)
+    return lin_bits / lin_n, 8 * store.nbytes / (lin_n + n_other)

@@ -73,6 +73,7 @@ class GGUFFile:
             if t.data_offset + t.n_bytes > size:
                 raise ModelFormatError(f"{self.path} is truncated (tensor {t.name} runs past the end)")
             self.tensors[t.name] = t
+        self._gguf_names = {hf_name(n): n for n in self.tensors if hf_name(n)}
         self.arch = self.get("general.architecture")
         if self.arch not in SUPPORTED_ARCHS:
             raise ModelFormatError(f"{self.path}: unsupported architecture {self.arch!r} "
@@ -177,20 +178,16 @@ class GGUFFile:
                                    "which the gguf package cannot dequantize") from None
         return out.reshape(shape)
 
-    def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, float array in HF layout) for each model tensor, Q/K rows un-permuted."""
-        heads = int(self._arch("attention.head_count"))
-        kv_heads = int(self._arch("attention.head_count_kv", heads))
-        for name in self.tensors:
-            hf = hf_name(name)
-            if hf is None:
-                continue
-            w = self.tensor(name)
-            if hf.endswith("q_proj.weight"):
-                w = unpermute(w, heads)
-            elif hf.endswith("k_proj.weight"):
-                w = unpermute(w, kv_heads)
-            yield hf, w
+    def hf_tensor(self, hf: str) -> np.ndarray:
+        """A tensor by its HF name, in HF layout (Q/K rows un-permuted)."""
+        name = self._gguf_names[hf]
+        w = self.tensor(name)
+        if hf.endswith("q_proj.weight"):
+            w = unpermute(w, int(self._arch("attention.head_count")))
+        elif hf.endswith("k_proj.weight"):
+            heads = int(self._arch("attention.head_count"))
+            w = unpermute(w, int(self._arch("attention.head_count_kv", heads)))
+        return w
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         return {hf_name(n): tuple(int(s) for s in reversed(t.shape))

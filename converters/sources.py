@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
@@ -26,8 +26,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 class Source:
     path: Path
     config: dict
-    shapes: dict[str, tuple[int, ...]]              # HF name -> shape
-    tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (HF name, float array), any order
+    shapes: dict[str, tuple[int, ...]]              # HF name -> shape, in file order
+    get: Callable[[str], np.ndarray]                # HF name -> float array in HF layout
     files: dict[str, str | bytes] = field(default_factory=dict)  # file name -> contents
     generation_config: dict | None = None
 
@@ -49,7 +49,7 @@ def gguf_source(path: Path) -> Source:
     files = tokenizer_files(meta, g.get("tokenizer.chat_template"))
     cfg = g.config()
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
-    return Source(path, cfg, g.hf_shapes(), g.hf_tensors, files, gen or None)
+    return Source(path, cfg, g.hf_shapes(), g.hf_tensor, files, gen or None)
 
 
 def hf_source(path: Path) -> Source:
@@ -65,11 +65,6 @@ def hf_source(path: Path) -> Source:
         raise ModelFormatError(f"{path} is already quantized; convert from the float checkpoint")
     store = WeightStore(path)
     names = [n for n in store.keys() if not n.endswith("rotary_emb.inv_freq")]
-
-    def tensors():
-        for n in names:
-            yield n, store.get_float(n)
-
     files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).exists()}
     gen_path = path / "generation_config.json"
     gen = None
@@ -78,4 +73,4 @@ def hf_source(path: Path) -> Source:
             gen = json.loads(gen_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise ModelFormatError(f"{gen_path} is not valid JSON") from None
-    return Source(path, cfg, {n: store.shape(n) for n in names}, tensors, files, gen)
+    return Source(path, cfg, {n: store.shape(n) for n in names}, store.get_float, files, gen)

@@ -5,7 +5,8 @@ This package imports nothing else of tinyrt.
 
 from __future__ import annotations
 
-from . import reference
+from . import awq_layout, reference
+from .awq_layout import QuantizedLinear
 from .reference import ReferenceBackend
 
 DEVICES = ("auto", "cpu", "reference")
@@ -26,4 +27,4 @@ def get_backend(device: str = "auto", threads: int | None = None):
     return ReferenceBackend()
 
 
-__all__ = ["DEVICES", "get_backend", "reference", "ReferenceBackend"]
+__all__ = ["DEVICES", "get_backend", "awq_layout", "reference", "ReferenceBackend", "QuantizedLinear"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import awq_layout
+
 
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """table [V, H], ids [T] -> [T, H] float32."""
@@ -16,8 +18,9 @@ def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x [T, H], w [H] -> x / rms(x) * w, in float32 (as HF: normalize, then scale)."""
-    var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-    return (x / np.sqrt(var + np.float32(eps))).astype(np.float32) * w.astype(np.float32)
+    x = x.astype(np.float32, copy=False)
+    var = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x * (1 / np.sqrt(var + np.float32(eps))) * w.astype(np.float32, copy=False)
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -37,14 +40,18 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up, elementwise, float32."""
-    g = gate.astype(np.float32)
+    """silu(gate) * up = gate / (1 + exp(-gate)) * up, elementwise, float32."""
+    t = np.negative(gate, dtype=np.float32)
     with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g gives silu = 0, rightly
-        return g / (np.float32(1) + np.exp(-g)) * up
+        np.exp(t, out=t)
+    t += 1
+    np.divide(gate, t, out=t)
+    t *= up
+    return t
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
@@ -54,22 +61,27 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
     q [T, Q, D]; k, v [G, S, D]; q_pos [T] and k_pos [S] are the positions of queries and cached
     tokens (k_pos -1 marks an empty slot). A query sees a key when k_pos <= q_pos (causal) and, with
     a sliding window, q_pos - k_pos < window. Slots may hold positions in any order (a ring buffer).
-    Query head h reads KV head h // R. Returns [T, Q, D] float32.
+    Query head h reads KV head h // R. Returns [T, Q, D] float32. A leading batch dimension B on q,
+    k and v ([B, T, Q, D], [B, G, S, D]) runs B sequences with the same positions at once.
     """
-    T, Q, D = q.shape
-    G, S, _ = k.shape
-    R = Q // G
-    qg = q.reshape(T, G, R, D).transpose(1, 2, 0, 3)                 # [G, R, T, D]
-    scores = np.matmul(qg, k[:, None].swapaxes(-1, -2)) * np.float32(scale)  # [G, R, T, S]
+    batched = q.ndim == 4
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    B, T, Q, D = q.shape
+    G = k.shape[1]
+    qg = q.reshape(B, T, G, Q // G, D).transpose(0, 2, 3, 1, 4)      # [B, G, R, T, D]
+    scores = np.matmul(qg, k[:, :, None].swapaxes(-1, -2))           # [B, G, R, T, S]
+    scores *= np.float32(scale)
     visible = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])   # [T, S]
     if window is not None:
         visible &= (q_pos[:, None] - k_pos[None, :]) < window
-    scores = np.where(visible, scores, -np.inf)
+    scores += np.where(visible, np.float32(0), np.float32(-np.inf))  # mask added in place
     scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    out = np.matmul(p.astype(np.float32), v[:, None])               # [G, R, T, D]
-    return out.transpose(2, 0, 1, 3).reshape(T, Q, D).astype(np.float32)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v[:, :, None])                           # [B, G, R, T, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, D)
+    return out if batched else out[0]
 
 
 class ReferenceBackend:
@@ -85,11 +97,13 @@ class ReferenceBackend:
         # np.zeros maps untouched pages lazily, so a large cache costs memory only as it fills.
         return np.zeros(shape, dtype)
 
-    def prepare_linear(self, parts: list[np.ndarray]) -> np.ndarray:
-        """Float weights [out_i, in] -> one float32 [sum(out_i), in] (fused projections)."""
-        if len(parts) == 1:
-            return np.ascontiguousarray(parts[0], dtype=np.float32)
-        return np.concatenate([p.astype(np.float32) for p in parts], axis=0)
+    def prepare_linear(self, parts: list) -> np.ndarray:
+        """Weights of projections that share an input -> one float32 [sum(out_i), in]. A part is a
+        float array [out_i, in] or a packed 4-bit layer (dequantized here, once, at load)."""
+        mats = [awq_layout.dequantize(*p) if isinstance(p, awq_layout.QuantizedLinear) else p for p in parts]
+        if len(mats) == 1:
+            return np.ascontiguousarray(mats[0], dtype=np.float32)
+        return np.concatenate([m.astype(np.float32) for m in mats], axis=0)
 
     def prepare_vector(self, a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=np.float32)

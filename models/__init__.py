@@ -7,7 +7,7 @@ from pathlib import Path
 from tinyrt.errors import ModelFormatError
 
 from .config import LlamaConfig, QuantConfig
-from .llama import LlamaModel, expected_shapes
+from .llama import LINEARS, LlamaModel, expected_shapes, linear_shapes
 from .weights import SafetensorsFile, WeightStore, write_safetensors
 
 
@@ -17,10 +17,8 @@ def load_model(directory: str | Path, backend) -> LlamaModel:
     if not directory.is_dir():
         raise ModelFormatError(f"{directory} is not a model directory")
     config = LlamaConfig.from_file(directory / "config.json")
-    if config.quant is not None:
-        raise ModelFormatError(f"{directory} holds AWQ weights, which this version cannot run yet")
     return LlamaModel(config, WeightStore(directory), backend)
 
 
-__all__ = ["LlamaConfig", "QuantConfig", "LlamaModel", "expected_shapes", "load_model",
+__all__ = ["LlamaConfig", "QuantConfig", "LlamaModel", "expected_shapes", "linear_shapes", "LINEARS", "load_model",
            "SafetensorsFile", "WeightStore", "write_safetensors"]

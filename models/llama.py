@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tinyrt.errors import ModelFormatError
+from tinyrt.kernels import QuantizedLinear
 
 from .config import LlamaConfig
 from .rope import rope_inv_freq
@@ -28,25 +29,38 @@ class Layer:
     down: Any            # I -> H
 
 
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def linear_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """Decoder-layer linear name (HF, without .weight) -> (out, in)."""
+    H, I, Qs, KVs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    dims = dict(zip(LINEARS, [(Qs, H), (KVs, H), (KVs, H), (H, Qs), (I, H), (I, H), (H, I)]))
+    return {f"model.layers.{i}.{n}": d for i in range(cfg.num_hidden_layers) for n, d in dims.items()}
+
+
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape of every float weight of the model."""
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    """HF tensor name -> shape of every tensor of the model (AWQ tensors when quantized)."""
+    from tinyrt.kernels import awq_layout
+
+    H, V = cfg.hidden_size, cfg.vocab_size
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, H)
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (H,),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (cfg.q_size, H),
-            p + "self_attn.k_proj.weight": (cfg.kv_size, H),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, H),
-            p + "self_attn.o_proj.weight": (H, cfg.q_size),
-            p + "mlp.gate_proj.weight": (I, H),
-            p + "mlp.up_proj.weight": (I, H),
-            p + "mlp.down_proj.weight": (H, I),
-        })
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (H,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (H,)
+    q = cfg.quant
+    for name, (out, inp) in linear_shapes(cfg).items():
+        if q is None:
+            shapes[name + ".weight"] = (out, inp)
+            continue
+        if inp % q.group_size or out % awq_layout.PACK:
+            raise ModelFormatError(f"{name}: AWQ group size {q.group_size} does not divide its "
+                                   f"{inp} inputs (or {out} outputs are not a multiple of 8)")
+        for part, shape in awq_layout.shapes(inp, out, q.group_size).items():
+            shapes[f"{name}.{part}"] = shape
     return shapes
 
 
@@ -70,11 +84,14 @@ class LlamaModel:
             return weights.get_float(name)
 
         def lin(*names: str):
-            return be.prepare_linear([w(n + ".weight") for n in names])
+            if cfg.quant is None:
+                return be.prepare_linear([w(n + ".weight") for n in names])
+            return be.prepare_linear([QuantizedLinear(weights.get(n + ".qweight"), weights.get(n + ".qzeros"),
+                                                      weights.get(n + ".scales")) for n in names])
 
         self.embed = be.prepare_embedding(w("model.embed_tokens.weight"))
-        self.lm_head = (be.prepare_linear([w("model.embed_tokens.weight")])
-                        if cfg.tie_word_embeddings else lin("lm_head"))
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = be.prepare_linear([w(head)])  # the head stays float in AWQ checkpoints
         self.norm = be.prepare_vector(w("model.norm.weight"))
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -93,9 +110,20 @@ class LlamaModel:
     def forward(self, tokens, cache, *, all_logits: bool = False):
         """Run `tokens` [T] through the decoder, appending their K/V to `cache`.
 
+        Returns logits [T, V] if `all_logits`, else [1, V] for the last token.
+        """
+        h = self.hidden_states(tokens, cache)
+        return self.logits(h if all_logits else h[-1:])
+
+    def logits(self, h):
+        """Final hidden states [T, H] -> logits [T, V]."""
+        return self.backend.linear(h, self.lm_head)
+
+    def hidden_states(self, tokens, cache):
+        """The final (normed) hidden states [T, H] of `tokens`, their K/V appended to `cache`.
+
         The cache assigns each new token a slot and a position (the RoPE angle and the causal
-        order); attention reads every slot the cache holds. Returns logits [T, V] if `all_logits`,
-        else [1, V] for the last token.
+        order); attention reads every slot the cache holds.
         """
         cfg, be = self.config, self.backend
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -120,6 +148,4 @@ class LlamaModel:
             gu = be.linear(h, L.gate_up)                                   # [T, 2I]
             I = gu.shape[1] // 2
             x = x + be.linear(be.silu_mul(gu[:, :I], gu[:, I:]), L.down)
-        if not all_logits:
-            x = x[-1:]
-        return be.linear(be.rmsnorm(x, self.norm, cfg.rms_norm_eps), self.lm_head)
+        return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)

@@ -33,7 +33,7 @@ def default_gguf() -> Path:
 def smol_f32(default_gguf, tmp_path_factory) -> Path:
     from tinyrt.converters import convert
 
-    return convert(default_gguf, tmp_path_factory.mktemp("smol") / "f32", dtype="f32")
+    return convert(default_gguf, tmp_path_factory.mktemp("smol") / "f32", method="none", dtype="f32")
 
 
 @pytest.fixture(scope="session")

@@ -103,7 +103,7 @@ def test_convert_interrupted_in_process_leaves_nothing(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        convert(d, tmp_path / "out", progress=interrupt)
+        convert(d, tmp_path / "out", method="none", progress=interrupt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
@@ -111,7 +111,7 @@ def test_convert_interrupted_in_process_leaves_nothing(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_convert_killed_leaves_no_output(tmp_path, default_gguf, sig):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "tinyrt", "convert", str(default_gguf), str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "tinyrt", "convert", str(default_gguf), str(out), "--method", "none",
                              "--dtype", "f32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.tmp-*/model.safetensors")) and time.time() < deadline:
@@ -124,6 +124,6 @@ def test_convert_killed_leaves_no_output(tmp_path, default_gguf, sig):
     if sig == signal.SIGINT:  # cleaned up on the way out
         assert list(tmp_path.iterdir()) == []
     # a later conversion sweeps what a killed one left and completes
-    p = tinyrt("convert", str(default_gguf), str(out), "--dtype", "f16")
+    p = tinyrt("convert", str(default_gguf), str(out), "--method", "none", "--dtype", "f16")
     assert p.returncode == 0, p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["out"]

@@ -38,9 +38,9 @@ def test_sharded_bf16_hf_directory(tmp_path):
         {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}))
     ids = np.random.default_rng().integers(0, 320, 24)
     want = hf_logits(hf_model(src), ids)
-    out32 = convert(src, tmp_path / "f32", dtype="f32")
+    out32 = convert(src, tmp_path / "f32", method="none", dtype="f32")
     assert rel_err(_logits(out32, ids), want) < 1e-5       # bf16 widens to f32 exactly
-    out16 = convert(src, tmp_path / "f16", dtype="f16")
+    out16 = convert(src, tmp_path / "f16", method="none", dtype="f16")
     assert WeightStore(out16).dtype("model.norm.weight") == "F16"
     assert rel_err(_logits(out16, ids), want) < 1e-2
     assert (out16 / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
@@ -54,7 +54,7 @@ def test_unexpected_tensors_are_refused(tmp_path):
     w["model.layers.0.self_attn.q_proj.bias"] = np.zeros(96, np.float32)
     src = write_tiny_model(tmp_path / "src", cfg, weights=w)
     with pytest.raises(ModelFormatError, match="unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
-        convert(src, tmp_path / "out")
+        convert(src, tmp_path / "out", method="none")
     assert not (tmp_path / "out").exists()
 
 
@@ -64,8 +64,8 @@ def test_f16_overflow_is_refused(tmp_path):
     w["model.norm.weight"][3] = 1e6
     src = write_tiny_model(tmp_path / "src", cfg, weights=w)
     with pytest.raises(ModelFormatError, match="overflows float16.*--dtype f32"):
-        convert(src, tmp_path / "out", dtype="f16")
-    convert(src, tmp_path / "out", dtype="f32")
+        convert(src, tmp_path / "out", method="none", dtype="f16")
+    convert(src, tmp_path / "out", method="none", dtype="f32")
 
 
 def _llama3(cfg):
@@ -87,8 +87,8 @@ def test_gguf_rope_freqs_become_llama3_scaling(tmp_path, matches):
     tok = byte_level_tokenizer(cfg["vocab_size"])
     write_gguf(path, cfg, {**random_weights(cfg), "rope_freqs.weight": freqs}, tok.to_str())
     if matches:
-        out = convert(path, tmp_path / "out")
+        out = convert(path, tmp_path / "out", method="none")
         assert json.loads((out / "config.json").read_text())["rope_scaling"] == _llama3(cfg)
     else:
         with pytest.raises(ModelFormatError, match="rope_freqs"):
-            convert(path, tmp_path / "out")
+            convert(path, tmp_path / "out", method="none")

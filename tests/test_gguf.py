@@ -50,7 +50,7 @@ def _hf_gguf_logits(path, ids):
 def test_f32_gguf_gives_back_the_source_weights(tmp_path):
     cfg = tiny_config()
     path, weights, _ = _tiny_gguf(tmp_path, cfg, "F32")
-    out = convert(path, tmp_path / "out", dtype="f32")
+    out = convert(path, tmp_path / "out", method="none", dtype="f32")
     store = WeightStore(out)
     assert set(store.keys()) == set(weights)
     for name, w in weights.items():
@@ -64,7 +64,7 @@ def test_quantized_gguf_matches_transformers(tmp_path, qtype):
     cfg = (tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                        num_key_value_heads=2) if kquant else tiny_config())
     path, _, back = _tiny_gguf(tmp_path, cfg, qtype)
-    out = convert(path, tmp_path / "out", dtype="f32")
+    out = convert(path, tmp_path / "out", method="none", dtype="f32")
     store = WeightStore(out)
     for name, w in back.items():
         np.testing.assert_allclose(store.get(name), w, rtol=0, atol=1e-6)
@@ -79,7 +79,7 @@ def test_gguf_tokenizer_equals_its_source(tmp_path):
 
     cfg = tiny_config()
     path, _, _ = _tiny_gguf(tmp_path, cfg, "F32")
-    out = convert(path, tmp_path / "out", dtype="f16")
+    out = convert(path, tmp_path / "out", method="none", dtype="f16")
     ours = load_tokenizer(out)
     src = byte_level_tokenizer(cfg["vocab_size"])
     for text in [CORPUS, "<|im_start|>user\nhi 123<|im_end|>", "  two  spaces\n\n\tand tabs"]:
@@ -92,7 +92,7 @@ def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"GGML" + bytes(100))
     with pytest.raises(ModelFormatError, match="not a GGUF file"):
-        convert(p, tmp_path / "out")
+        convert(p, tmp_path / "out", method="none")
     assert not (tmp_path / "out").exists()
 
 
@@ -103,7 +103,7 @@ def test_truncated_gguf(tmp_path):
         bad = tmp_path / f"cut{cut}.gguf"
         bad.write_bytes(data[:cut])
         with pytest.raises(ModelFormatError, match="truncated|damaged|not a readable"):
-            convert(bad, tmp_path / f"out{cut}")
+            convert(bad, tmp_path / f"out{cut}", method="none")
         assert not (tmp_path / f"out{cut}").exists()
 
 
@@ -116,11 +116,11 @@ def test_unsupported_architecture(tmp_path):
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     with pytest.raises(ModelFormatError, match="unsupported architecture 'gpt2'"):
-        convert(p, tmp_path / "out")
+        convert(p, tmp_path / "out", method="none")
 
 
 def test_unknown_pre_tokenizer(tmp_path):
     path, _, _ = _tiny_gguf(tmp_path, tiny_config(), "F32", pre="no-such-pre")
     with pytest.raises(ModelFormatError, match="pre-tokenizer 'no-such-pre'"):
-        convert(path, tmp_path / "out")
+        convert(path, tmp_path / "out", method="none")
     assert not (tmp_path / "out").exists()

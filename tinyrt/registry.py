@@ -103,7 +103,7 @@ def _convert(src: Path, out: Path, dtype: str, quiet: bool) -> Path:
 
     progress = None if quiet else ConvertProgress(f"converting {src.name} to {dtype} (once)")
     try:
-        convert(src, out, dtype=dtype, force=True, progress=progress)
+        convert(src, out, method="none", dtype=dtype, force=True, progress=progress)
     finally:
         if progress:
             progress.close()
@@ -115,10 +115,12 @@ class ConvertProgress:
 
     def __init__(self, description: str = "converting"):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                            TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                            transient=True)
         self.task = None
         self.description = description
 

@@ -1,28 +1,60 @@
-"""`tinyrt convert`: a GGUF file or HF directory into a model directory."""
+"""`tinyrt convert`: a GGUF file or HF directory into a model directory (AWQ 4-bit by default)."""
 
 from __future__ import annotations
 
 import argparse
+import resource
+import sys
+import time
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert a GGUF file or HF directory",
                        description="Convert SRC (GGUF file or HF directory) into the model "
-                                   "directory OUT.")
+                                   "directory OUT: 4-bit AWQ by default, or round-to-nearest "
+                                   "(rtn), or float weights (none).")
     p.add_argument("src", metavar="SRC")
     p.add_argument("out", metavar="OUT")
-    p.add_argument("--dtype", choices=["f16", "f32"], default="f16", help="weight dtype")
+    p.add_argument("--method", choices=["awq", "rtn", "none"], default="awq")
+    p.add_argument("--dtype", choices=["f16", "f32"], default="f16",
+                   help="dtype of float tensors (all weights with --method none)")
+    p.add_argument("--w-bit", type=int, default=4, help="weight bits (4)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="input channels per quantization group (default: 128, or the largest of "
+                        "64 and 32 that divides every layer)")
+    c = p.add_argument_group("AWQ calibration")
+    c.add_argument("--calib", default=None, metavar="FILE",
+                   help="plain text or JSON lines with a 'text' field (default: the Python "
+                        "documentation shipped with Python)")
+    c.add_argument("--calib-samples", type=int, default=32)
+    c.add_argument("--calib-seqlen", type=int, default=512)
+    c.add_argument("--no-clip", action="store_true", help="skip the clipping search")
+    c.add_argument("--seed", type=int, default=0, help="seed for choosing calibration samples")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 
 def main(args: argparse.Namespace) -> int:
     from tinyrt.converters import convert
+    from tinyrt.converters.convert import bits_per_weight
     from tinyrt.registry import ConvertProgress
 
-    progress = ConvertProgress()
+    what = "layers" if args.method != "none" else "tensors"
+    progress = ConvertProgress(f"{args.method} {Path(args.src).name} ({what})")
+    start = time.perf_counter()
     try:
-        out = convert(args.src, args.out, dtype=args.dtype, force=args.force, progress=progress)
+        out = convert(args.src, args.out, method=args.method, dtype=args.dtype, bits=args.w_bit,
+                      group_size=args.group_size, calib=args.calib,
+                      calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
+                      clip=not args.no_clip, seed=args.seed, force=args.force, progress=progress)
     finally:
         progress.close()
+    seconds = time.perf_counter() - start
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    size_mb = sum(f.stat().st_size for f in Path(out).iterdir()) / 1e6
+    linear_bpw, file_bpw = bits_per_weight(out)
+    print(f"{out}: {size_mb:.1f} MB, {linear_bpw:.2f} bits per linear weight "
+          f"({file_bpw:.2f} per parameter overall), {seconds:.1f} s, peak RSS {peak_mb:.0f} MB",
+          file=sys.stderr)
     print(out)
     return 0

@@ -1,0 +1,256 @@
+"""AWQ: the packed layout, group quantization, the algorithm on tiny models, AutoAWQ checkpoints."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from helpers import CORPUS, hf_logits, hf_model, random_weights, rel_err, tiny_config, write_tiny_model
+from tinyrt.converters import convert
+from tinyrt.converters.awq import QuantOptions, linear_mse, output_mse, search_scales
+from tinyrt.converters.quantize import dequantize, fake_quantize, pack_linear, quantize
+from tinyrt.errors import ModelFormatError, TinyrtError
+from tinyrt.kernels import awq_layout, get_backend
+from tinyrt.kv_cache import KVCache
+from tinyrt.models import WeightStore, linear_shapes, load_model
+
+DESIGN_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # DESIGN.md: nibble order of the AutoAWQ GEMM layout
+
+
+def read_code(packed: np.ndarray, row: int, col: int) -> int:
+    """The 4-bit value at [row, col] of a packed tensor, by DESIGN.md's definition: word col // 8 of
+    the row; the nibble at shift 4*j holds column 8*(col // 8) + ORDER[j]."""
+    word = int(packed[row, col // 8]) & 0xFFFFFFFF
+    j = DESIGN_ORDER.index(col % 8)
+    return (word >> (4 * j)) & 0xF
+
+
+def write_by_definition(codes: np.ndarray) -> np.ndarray:
+    """Pack [rows, cols] codes by the definition, one nibble at a time (no shared code)."""
+    rows, cols = codes.shape
+    out = np.zeros((rows, cols // 8), np.uint32)
+    for r in range(rows):
+        for c in range(cols):
+            out[r, c // 8] |= np.uint32(int(codes[r, c]) << (4 * DESIGN_ORDER.index(c % 8)))
+    return out.view(np.int32)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.data())
+def test_pack_unpack_round_trip(rows, words, data):
+    codes = data.draw(arrays(np.uint8, (rows, words * 8), elements=st.integers(0, 15)))
+    packed = awq_layout.pack(codes)
+    assert packed.dtype == np.int32 and packed.shape == (rows, words)
+    np.testing.assert_array_equal(awq_layout.unpack(packed), codes)
+
+
+def test_packed_tensor_read_by_the_written_definition():
+    codes = np.random.default_rng().integers(0, 16, (5, 24)).astype(np.uint8)
+    packed = awq_layout.pack(codes)
+    for r in range(5):
+        for c in range(24):
+            assert read_code(packed, r, c) == codes[r, c]
+    np.testing.assert_array_equal(packed, write_by_definition(codes))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([8, 16, 32]), st.integers(1, 4), st.integers(1, 3), st.floats(0.01, 100))
+def test_group_quantization_error_is_within_half_a_step(g, groups, out, scale):
+    w = (np.random.default_rng().standard_normal((out, g * groups)) * scale).astype(np.float32)
+    codes, scales, zeros = quantize(w, g)
+    assert codes.max() <= 15 and zeros.max() <= 15
+    err = np.abs(dequantize(codes, scales, zeros) - w).reshape(out, groups, g)
+    step = scales.astype(np.float32)[..., None]
+    assert np.all(err <= step * 0.5 + 1e-6 * scale + step * 1e-3)
+
+
+def test_pack_linear_dequantizes_to_the_fake_quantized_weight():
+    w = np.random.default_rng().standard_normal((48, 64)).astype(np.float32)
+    t = pack_linear(w, 32)
+    assert t["qweight"].shape == (64, 6) and t["qzeros"].shape == (2, 6) and t["scales"].shape == (2, 48)
+    assert t["scales"].dtype == np.float16
+    np.testing.assert_array_equal(awq_layout.dequantize(t["qweight"], t["qzeros"], t["scales"]),
+                                  fake_quantize(w, 32))
+
+
+def test_scale_search_never_loses_to_plain_rounding():
+    """Without the duo form the grid starts at s = 1 (plain rounding), so the chosen scales' loss
+    is at most that of round-to-nearest."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    x[:, [3, 17]] *= 30                                     # salient input channels
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    opts = QuantOptions(group_size=32, duo_scaling=False)
+    loss = linear_mse(x, w)
+    s = search_scales(x, [w], loss, opts)
+    rtn = loss([fake_quantize(w, 32)])
+    assert loss([fake_quantize(w * s, 32) / s]) <= rtn
+    assert loss([fake_quantize(w * s, 32) / s]) < 0.7 * rtn  # and here it clearly wins
+    exact = output_mse(lambda W: x @ W[0].T, x @ w.T)
+    W2 = [fake_quantize(w * s, 32) / s]
+    assert exact(W2) == pytest.approx(loss(W2), rel=1e-3)   # the Gram form is exact
+
+
+# -- end to end on tiny models -------------------------------------------------------------------
+
+def _salient_model(tmp_path):
+    """A tiny model whose norms make a few activation channels large, as in real LLMs."""
+    cfg = tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2)
+    w = random_weights(cfg, seed=3)
+    rng = np.random.default_rng(4)
+    for i in range(cfg["num_hidden_layers"]):
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            norm = w[f"model.layers.{i}.{n}.weight"]
+            norm[rng.choice(128, 4, replace=False)] *= 25
+    return write_tiny_model(tmp_path / "float", cfg, weights=w), cfg
+
+
+def _logits(directory, ids):
+    m = load_model(directory, get_backend("reference"))
+    c = m.config
+    return m.forward(ids, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256,
+                                  m.backend), all_logits=True)
+
+
+def test_awq_beats_round_to_nearest_on_salient_channels(tmp_path):
+    src, cfg = _salient_model(tmp_path)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CORPUS * 3)
+    awq = convert(src, tmp_path / "awq", method="awq", group_size=32, calib=calib, calib_samples=8,
+                  calib_seqlen=64)
+    rtn = convert(src, tmp_path / "rtn", method="rtn", group_size=32)
+    conf = json.loads((awq / "config.json").read_text())
+    assert conf["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                           "zero_point": True, "version": "gemm"}
+    from tinyrt.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(src).encode("Pack my box with five dozen liquor jugs. 987 How vexingly "
+                                     "quick daft zebras jump! class A:\n    pass\n" * 2)  # held out
+    ref = _logits(src, ids)
+    e_awq, e_rtn = rel_err(_logits(awq, ids), ref), rel_err(_logits(rtn, ids), ref)
+    assert e_awq < 0.8 * e_rtn, (e_awq, e_rtn)
+
+
+def _autoawq_checkpoint(directory, cfg, g, seed=0):
+    """An AutoAWQ-style checkpoint written by the layout's definition, sharded with an index, and
+    the float weights it stands for."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    float_w = random_weights(cfg, seed)
+    tensors = {k: v.astype(np.float16) for k, v in float_w.items() if "_proj" not in k}
+    deq = {k: v.astype(np.float32) for k, v in tensors.items()}
+    from tinyrt.models.config import LlamaConfig
+
+    for name, (out_f, in_f) in linear_shapes(LlamaConfig.from_dict(cfg)).items():
+        codes = rng.integers(0, 16, (in_f, out_f)).astype(np.uint8)
+        zeros = rng.integers(0, 16, (in_f // g, out_f)).astype(np.uint8)
+        scales = (rng.uniform(0.5, 1.5, (in_f // g, out_f)) / np.sqrt(in_f) / 4).astype(np.float16)
+        tensors[name + ".qweight"] = write_by_definition(codes)
+        tensors[name + ".qzeros"] = write_by_definition(zeros)
+        tensors[name + ".scales"] = scales
+        w_t = (codes.astype(np.float32) - np.repeat(zeros, g, 0)) * np.repeat(scales, g, 0).astype(np.float32)
+        deq[name + ".weight"] = w_t.T.copy()
+    directory.mkdir(parents=True)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for f, ns in shards.items():
+        save_file({n: tensors[n] for n in ns}, str(directory / f), metadata={"format": "pt"})
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    qcfg = dict(cfg, torch_dtype="float16", quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": g, "zero_point": True, "version": "gemm"})
+    (directory / "config.json").write_text(json.dumps(qcfg))
+    return deq
+
+
+def test_autoawq_checkpoint_loads_and_runs(tmp_path):
+    cfg = tiny_config()
+    deq = _autoawq_checkpoint(tmp_path / "awq", cfg, g=32)
+    write_tiny_model(tmp_path / "float", cfg, weights=deq)      # the same weights, in float
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "awq" / f).write_bytes((tmp_path / "float" / f).read_bytes())
+    ids = np.random.default_rng().integers(0, 320, 32)
+    want = hf_logits(hf_model(tmp_path / "float"), ids)
+    assert rel_err(_logits(tmp_path / "awq", ids), want) < 1e-5
+    import tinyrt
+
+    assert tinyrt.LLM(tmp_path / "awq").generate("hello", max_tokens=4)  # runs end to end
+
+
+def test_packed_tensors_of_the_wrong_shape(tmp_path):
+    cfg = tiny_config()
+    _autoawq_checkpoint(tmp_path / "awq", cfg, g=32)
+    conf = json.loads((tmp_path / "awq" / "config.json").read_text())
+    conf["quantization_config"]["group_size"] = 16               # scales then have the wrong rows
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ModelFormatError, match=r"qzeros.*shape \[3, 12\].*\[6, 12\]"):
+        load_model(tmp_path / "awq", get_backend("reference"))
+
+
+def test_group_size_choice_and_errors(tmp_path):
+    src = write_tiny_model(tmp_path / "m", tiny_config())        # hidden 96, intermediate 160
+    with pytest.raises(TinyrtError, match="group size 128 does not divide the 96 inputs.*sizes that fit every layer: 32"):
+        convert(src, tmp_path / "out", method="rtn", group_size=128)
+    out = convert(src, tmp_path / "out", method="rtn")           # default: largest that fits
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 32
+    assert not list(tmp_path.glob(".out.tmp*"))
+
+
+@pytest.mark.parametrize("content, words", [("", "empty"), ("   \n\n", "empty"),
+                                            ("short text", "too short"),
+                                            ('{"text": "a"}\n{"nope": 1}\n', 'a string "text" field'),
+                                            ('{"text": "a"}\n{broken\n', "not a JSON object")])
+def test_bad_calibration_files(tmp_path, content, words):
+    src = write_tiny_model(tmp_path / "m", tiny_config())
+    f = tmp_path / "calib.txt"
+    f.write_text(content)
+    with pytest.raises(TinyrtError, match=words):
+        convert(src, tmp_path / "out", method="awq", calib=f, calib_samples=4, calib_seqlen=32)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp*"))
+
+
+def test_calibration_json_lines(tmp_path):
+    from tinyrt.converters.calibration import calibration_ids, read_text
+
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps({"text": t}) for t in ["first doc", "second doc"]))
+    assert read_text(f) == "first doc\n\nsecond doc"
+    ids = calibration_ids(lambda s: list(range(len(s))), "x" * 100, 3, 10, seed=1)
+    assert ids.shape == (3, 10) and len({tuple(r) for r in ids}) == 3
+    assert np.all(ids % 10 == np.arange(10))                     # whole, aligned windows
+
+
+def test_interrupted_awq_conversion_leaves_nothing(tmp_path):
+    src = write_tiny_model(tmp_path / "m", tiny_config())
+
+    def interrupt(done, total, what):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, tmp_path / "out", method="awq", calib_samples=2, calib_seqlen=32,
+                progress=interrupt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    convert(src, tmp_path / "out", method="rtn")
+    with pytest.raises(TinyrtError, match="already exists"):
+        convert(src, tmp_path / "out", method="rtn")
+    convert(src, tmp_path / "out", method="rtn", force=True)
+
+
+def test_awq_model_file_is_compact(tmp_path):
+    src = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=256, intermediate_size=512,
+                                                       num_attention_heads=4, num_key_value_heads=2))
+    out = convert(src, tmp_path / "q", method="rtn", group_size=64)
+    from tinyrt.converters.convert import bits_per_weight
+
+    lin, _ = bits_per_weight(out)
+    assert lin == pytest.approx(4 + (16 + 4) / 64)
+    store = WeightStore(out)
+    assert store.dtype("model.layers.0.mlp.down_proj.qweight") == "I32"
+    assert store.dtype("model.embed_tokens.weight") == "F16"

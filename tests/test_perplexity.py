@@ -1,0 +1,58 @@
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import CORPUS, hf_model, tiny_config, write_tiny_model
+from tinyrt.errors import TinyrtError
+from tinyrt.perplexity import perplexity
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import tinyrt
+
+    d = write_tiny_model(tmp_path_factory.mktemp("ppl") / "m", tiny_config(), seed=2)
+    return d, tinyrt.LLM(d)
+
+
+def test_perplexity_matches_transformers(tiny):
+    import torch
+
+    d, llm = tiny
+    ctx = 100
+    result = perplexity(llm, CORPUS, ctx=ctx, max_windows=3)
+    ids = llm.tokenizer.encode(CORPUS, add_special=True)
+    model = hf_model(d)
+    nll = 0.0
+    with torch.no_grad():
+        for w in range(3):
+            x = torch.tensor([ids[w * ctx:(w + 1) * ctx]])
+            logits = model(x).logits[0, :-1].double()
+            nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+    assert result.windows == 3 and result.tokens == 3 * (ctx - 1)
+    assert result.ppl == pytest.approx(math.exp(nll / result.tokens), rel=1e-5)
+
+
+def test_perplexity_windows_and_errors(tiny):
+    _, llm = tiny
+    n = len(llm.tokenizer.encode(CORPUS, add_special=True))
+    assert perplexity(llm, CORPUS, ctx=64).windows == n // 64
+    with pytest.raises(TinyrtError, match="exceeds the model's context"):
+        perplexity(llm, CORPUS, ctx=4096)
+    with pytest.raises(TinyrtError, match="fewer than one window"):
+        perplexity(llm, "hi", ctx=64)
+
+
+def test_ppl_command_json(tiny, tmp_path):
+    d, _ = tiny
+    text = tmp_path / "t.txt"
+    text.write_text(CORPUS)
+    p = subprocess.run([sys.executable, "-m", "tinyrt", "ppl", "-m", str(d), "--text", str(text),
+                        "--ctx", "128", "--max-windows", "2", "--json"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert set(out) >= {"ppl", "tokens", "windows"} and out["windows"] == 2 and out["ppl"] > 1

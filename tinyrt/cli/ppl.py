@@ -1,0 +1,56 @@
+"""`tinyrt ppl`: perplexity of a model on a text file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tinyrt.errors import TinyrtError
+
+from .options import add_model_option
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ppl", help="perplexity on a text file",
+                       description="Perplexity by the AWQ papers' protocol: the text tokenized "
+                                   "whole, non-overlapping windows of --ctx tokens.")
+    add_model_option(p)
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m")
+    p.add_argument("--text", required=True, metavar="FILE")
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def main(args: argparse.Namespace) -> int:
+    import tinyrt
+    from tinyrt.perplexity import perplexity
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
+        raise TinyrtError(f"cannot read {args.text}: {type(e).__name__}") from None
+    llm = tinyrt.load(args.model or args.model_pos, device=args.device, threads=args.threads)
+    bar = Progress(TextColumn("ppl"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=True)
+    task = None
+
+    def progress(done, total):
+        nonlocal task
+        if task is None:
+            task = bar.add_task("windows", total=total)
+        bar.update(task, completed=done)
+
+    with bar:
+        result = perplexity(llm, text, ctx=args.ctx, max_windows=args.max_windows, progress=progress)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(f"ppl {result.ppl:.4f} over {result.tokens} tokens ({result.windows} windows of "
+              f"{args.ctx}), {result.seconds:.1f} s")
+    return 0

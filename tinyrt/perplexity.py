@@ -1,0 +1,77 @@
+"""Perplexity by the protocol of the AWQ papers: the text tokenized whole (as the tokenizer does for
+a prompt, BOS included where the model wants one), cut into non-overlapping windows of `ctx`
+tokens, each window run from an empty cache; the mean NLL over every predicted token (ctx - 1 per
+window; the tail shorter than a window is left out)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from tinyrt.errors import TinyrtError
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class Perplexity:
+    ppl: float
+    tokens: int          # predicted tokens
+    windows: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {"ppl": self.ppl, "tokens": self.tokens, "windows": self.windows,
+                "seconds": self.seconds}
+
+
+def window_nll(model, ids: np.ndarray, cache, chunk: int = 256) -> float:
+    """Sum of -log p(ids[t+1] | ids[:t+1]) over a window. The window goes through the cache
+    `chunk` tokens at a time (the same result as one pass, without the masked half of a full
+    attention matrix), and the LM head sees `chunk` rows at a time, so [ctx, vocab] logits are
+    never held at once."""
+    cache.reset()
+    total = 0.0
+    for a in range(0, len(ids), chunk):
+        b = min(a + chunk, len(ids) - 1)          # the last token predicts nothing
+        h = model.hidden_states(ids[a:a + chunk], cache)
+        if b <= a:
+            break
+        logits = model.backend.to_numpy(model.logits(h[:b - a]))          # [n, V] float32
+        target = logits[np.arange(b - a), ids[a + 1:b + 1]].astype(np.float64)
+        m = logits.max(axis=1, keepdims=True)
+        logits -= m
+        np.exp(logits, out=logits)
+        lse = m[:, 0].astype(np.float64) + np.log(logits.sum(axis=1, dtype=np.float64))
+        total += float(np.sum(lse - target))
+    return total
+
+
+def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
+               progress: Callable[[int, int], None] | None = None) -> Perplexity:
+    """Perplexity of `llm` (a tinyrt.LLM) on `text`."""
+    cfg = llm.config
+    if ctx < 2:
+        raise TinyrtError("--ctx must be at least 2")
+    if ctx > cfg.max_position_embeddings:
+        raise TinyrtError(f"--ctx {ctx} exceeds the model's context of "
+                          f"{cfg.max_position_embeddings} tokens")
+    ids = np.asarray(llm.tokenizer.encode(text, add_special=True), dtype=np.int64)
+    windows = len(ids) // ctx
+    if max_windows is not None:
+        windows = min(windows, max_windows)
+    if windows == 0:
+        raise TinyrtError(f"the text has {len(ids)} tokens: fewer than one window of {ctx}")
+    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ctx, llm.backend)
+    start = time.perf_counter()
+    nll = 0.0
+    for w in range(windows):
+        nll += window_nll(llm.model, ids[w * ctx:(w + 1) * ctx], cache)
+        if progress:
+            progress(w + 1, windows)
+    n = windows * (ctx - 1)
+    return Perplexity(math.exp(nll / n), n, windows, time.perf_counter() - start)
