@@ -37,6 +37,7 @@ from tinyrt.models.rope import rope_inv_freq
 from .quantize import fake_quantize, pack_linear
 
 LossFn = Callable[[list[np.ndarray]], float]
+ATTN_BLOCK = 128  # queries per block in calibration attention
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,12 @@ def attention(cfg: LlamaConfig, xn: np.ndarray, wq, wk, wv, wo, cos, sin):
     k = ops.rope((flat @ wk.T).reshape(N, T, G, D), cos, sin).transpose(0, 2, 1, 3)
     v = (flat @ wv.T).reshape(N, T, G, D).transpose(0, 2, 1, 3)
     pos = np.arange(T)
-    a = ops.attention(q, k, v, pos, pos, D ** -0.5, cfg.sliding_window).reshape(N * T, Q * D)
+    a = np.empty((N, T, Q, D), np.float32)
+    for b in range(0, T, ATTN_BLOCK):  # a block of queries sees only the keys up to its end
+        e = min(b + ATTN_BLOCK, T)
+        a[:, b:e] = ops.attention(q[:, b:e], k[:, :, :e], v[:, :, :e], pos[b:e], pos[:e],
+                                  D ** -0.5, cfg.sliding_window)
+    a = a.reshape(N * T, Q * D)
     return a.reshape(N, T, Q * D), (a @ wo.T).reshape(N, T, H)
 
 
