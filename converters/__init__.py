@@ -3,7 +3,7 @@
 The runtime never imports this package; front ends call it to convert a model on first use.
 """
 
-from .convert import FLOAT_DTYPES, convert
+from .conversion import FLOAT_DTYPES, convert
 from .gguf_file import GGUFFile
 from .sources import Source, open_source
 

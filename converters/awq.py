@@ -50,6 +50,7 @@ class QuantOptions:
     n_grid: int = 20
     max_shrink: float = 0.5
     clip_tokens: int = 512       # tokens sampled for the clipping search
+    propagate_quantized: bool = True  # next layer's input: the quantized layer's output (else float)
 
 
 def peak_bytes(cfg: LlamaConfig, n_tokens: int) -> int:
@@ -228,6 +229,7 @@ def quantize_model(cfg: LlamaConfig, get: Callable[[str], np.ndarray], calib: np
         p = f"model.layers.{i}."
         L = {k: get(p + n + ".weight").astype(np.float32)
              for k, n in {**LINEAR_KEYS, **NORM_KEYS}.items()}
+        L_float = L
         if opts.method == "awq":
             L = awq_layer(cfg, L, x, cos, sin, opts)
         tensors = {p + n + ".weight": L[k] for k, n in NORM_KEYS.items()}
@@ -237,7 +239,7 @@ def quantize_model(cfg: LlamaConfig, get: Callable[[str], np.ndarray], calib: np
             tensors.update({f"{p}{n}.{part}": t for part, t in packed.items()})
             deq[k] = fake_quantize(L[k], opts.group_size, opts.bits)
         if x is not None and i + 1 < cfg.num_hidden_layers:
-            x = layer_forward(cfg, x, deq, cos, sin)   # the quantized layer feeds the next
+            x = layer_forward(cfg, x, deq if opts.propagate_quantized else L_float, cos, sin)
         yield p, tensors
         if progress:
             progress(i + 1, cfg.num_hidden_layers)

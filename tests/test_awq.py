@@ -247,7 +247,7 @@ def test_awq_model_file_is_compact(tmp_path):
     src = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=256, intermediate_size=512,
                                                        num_attention_heads=4, num_key_value_heads=2))
     out = convert(src, tmp_path / "q", method="rtn", group_size=64)
-    from tinyrt.converters.convert import bits_per_weight
+    from tinyrt.converters.conversion import bits_per_weight
 
     lin, _ = bits_per_weight(out)
     assert lin == pytest.approx(4 + (16 + 4) / 64)

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from tinyrt.converters import convert
-    from tinyrt.converters.convert import bits_per_weight
+    from tinyrt.converters.conversion import bits_per_weight
     from tinyrt.registry import ConvertProgress
 
     what = "layers" if args.method != "none" else "tensors"
