@@ -12,7 +12,7 @@ import numpy as np
 
 from tinyrt.errors import TinyrtError
 
-DEFAULT_SAMPLES = 32
+DEFAULT_SAMPLES = 4
 DEFAULT_SEQLEN = 512
 
 

@@ -59,3 +59,11 @@ def hf_gguf_tokenizer(default_gguf):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smol_awq(default_gguf, tmp_path_factory) -> Path:
+    """The default model converted as `tinyrt convert` does by default (AWQ, default calibration)."""
+    from tinyrt.converters import convert
+
+    return convert(default_gguf, tmp_path_factory.mktemp("smol") / "awq", method="awq")

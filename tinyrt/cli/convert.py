@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from tinyrt.converters import calibration
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert a GGUF file or HF directory",
@@ -27,8 +29,10 @@ def add_parser(sub) -> None:
     c.add_argument("--calib", default=None, metavar="FILE",
                    help="plain text or JSON lines with a 'text' field (default: the Python "
                         "documentation shipped with Python)")
-    c.add_argument("--calib-samples", type=int, default=32)
-    c.add_argument("--calib-seqlen", type=int, default=512)
+    c.add_argument("--calib-samples", type=int, default=calibration.DEFAULT_SAMPLES, metavar="N",
+                   help="calibration sequences (default %(default)s)")
+    c.add_argument("--calib-seqlen", type=int, default=calibration.DEFAULT_SEQLEN, metavar="N",
+                   help="tokens per calibration sequence (default %(default)s)")
     c.add_argument("--no-clip", action="store_true", help="skip the clipping search")
     c.add_argument("--seed", type=int, default=0, help="seed for choosing calibration samples")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
