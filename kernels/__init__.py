@@ -13,9 +13,9 @@ DEVICES = ("auto", "cpu", "reference")
 
 
 def get_backend(device: str = "auto", threads: int | None = None):
-    """The backend for `device`: "reference" is NumPy; "cpu" and "auto" pick the fastest CPU
-    backend there is (today the NumPy one). `threads` caps the threads of the BLAS library NumPy
-    calls (process-wide). Raises ValueError for an unknown device or thread count."""
+    """The backend for `device`: "reference" is NumPy; "cpu" (and "auto") the Numba kernels.
+    `threads` sets the threads of the Numba kernels and caps those of the BLAS library NumPy calls
+    (process-wide). Raises ValueError for an unknown device or thread count."""
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
     if threads is not None:
@@ -24,7 +24,11 @@ def get_backend(device: str = "auto", threads: int | None = None):
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(threads, user_api="blas")
-    return ReferenceBackend()
+    if device == "reference":
+        return ReferenceBackend()
+    from .cpu import CpuBackend
+
+    return CpuBackend(threads)
 
 
 __all__ = ["DEVICES", "get_backend", "awq_layout", "reference", "ReferenceBackend", "QuantizedLinear"]

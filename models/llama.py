@@ -91,7 +91,8 @@ class LlamaModel:
 
         self.embed = be.prepare_embedding(w("model.embed_tokens.weight"))
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = be.prepare_linear([w(head)])  # the head stays float in AWQ checkpoints
+        # float in AWQ checkpoints; a backend may quantize it when the rest of the model is quantized
+        self.lm_head = be.prepare_head(w(head), quantized=cfg.quant is not None)
         self.norm = be.prepare_vector(w("model.norm.weight"))
         self.layers = []
         for i in range(cfg.num_hidden_layers):

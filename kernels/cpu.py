@@ -1,0 +1,359 @@
+"""Numba CPU kernels and the backend that runs the decoder on them.
+
+Decode at batch 1 is memory-bound, so the 4-bit weights are read as they are packed, never as a
+dequantized copy. The AutoAWQ layout (see awq_layout) is repacked once, at load, into a *planar*
+layout that vectorizes: for a layer with `out` outputs (all projections that share an input fused
+into one), W = out / 8 words per input row, and nibble j of word c holds output j * W + c. A GEMV
+then runs, for each nibble j, one long contiguous loop over the words of a row (mask, convert,
+multiply-add), with partial sums per quantization group folded into the output once per group:
+
+    y[o] = sum_groups  s[g, o] * sum_{i in g} x[i] q[i, o]  -  s[g, o] z[g, o] * sum_{i in g} x[i]
+
+Prompts (more than GEMV_MAX_TOKENS tokens) dequantize the layer into a scratch buffer and call BLAS
+through NumPy. The LM head is quantized at load to int8 per row (see prepare_head). Attention over
+the cache in decode, RMSNorm, RoPE and SiLU·mul are Numba loops; prompt attention uses the
+reference (BLAS matmuls).
+
+Every kernel compiles with cache=True: the first run of a fresh install compiles them (tens of
+seconds), later runs load machine code from the cache.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from . import awq_layout, reference
+
+GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
+
+
+class Q4Linear(NamedTuple):
+    """A 4-bit linear layer in the planar layout."""
+
+    w: np.ndarray        # int32 [in, W]: nibble j of word c = output j * W + c
+    s: np.ndarray        # float32 [in/g, out]: scales
+    zs: np.ndarray       # float32 [in/g, out]: zero point x scale
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.s.shape[1], self.w.shape[0]          # (out, in), as a float weight
+
+
+class Int8Rows(NamedTuple):
+    """A float matrix [out, in] stored as int8 rows with one float32 scale per row."""
+
+    q: np.ndarray        # int8 [out, in]
+    s: np.ndarray        # float32 [out]
+
+
+# -- repacking, once at load ---------------------------------------------------------------------
+
+@njit(parallel=True, cache=True)
+def _repack_planar(src, col0, W, dst):
+    """Add a packed AutoAWQ part src int32 [in, out_p/8] whose outputs start at col0 into the
+    planar dst int32 [in, W]."""
+    rows, words = src.shape
+    for i in prange(rows):
+        for c in range(words):
+            word = np.uint32(src[i, c])
+            for k in range(8):
+                code = (word >> np.uint32(4 * k)) & np.uint32(15)
+                o = col0 + 8 * c + (2 * k if k < 4 else 2 * k - 7)   # ORDER[k]
+                j, cc = o // W, o % W
+                dst[i, cc] = np.int32(np.uint32(dst[i, cc]) | (code << np.uint32(4 * j)))
+
+
+def repack(parts: list) -> Q4Linear:
+    """AutoAWQ parts (QuantizedLinear) that share an input -> one planar Q4Linear."""
+    rows = parts[0].qweight.shape[0]
+    groups = parts[0].scales.shape[0]
+    for p in parts:
+        if p.qweight.shape[0] != rows or p.scales.shape[0] != groups:
+            raise ValueError("fused 4-bit parts must share input size and group size")
+    out = sum(p.scales.shape[1] for p in parts)
+    W = out // awq_layout.PACK
+    w = np.zeros((rows, W), np.int32)
+    col = 0
+    for p in parts:
+        _repack_planar(np.ascontiguousarray(p.qweight), col, W, w)
+        col += p.scales.shape[1]
+    s = np.concatenate([p.scales.astype(np.float32) for p in parts], axis=1)
+    z = np.concatenate([awq_layout.unpack(p.qzeros) for p in parts], axis=1)
+    return Q4Linear(w, np.ascontiguousarray(s), np.ascontiguousarray(z * s, dtype=np.float32))
+
+
+@njit(parallel=True, cache=True)
+def _int8_rows(w, q, s):
+    for r in prange(w.shape[0]):
+        m = np.float32(0)
+        for i in range(w.shape[1]):
+            m = max(m, abs(np.float32(w[r, i])))
+        scale = m / np.float32(127) if m > 0 else np.float32(1)
+        s[r] = scale
+        for i in range(w.shape[1]):
+            q[r, i] = np.int8(np.round(np.float32(w[r, i]) / scale))
+
+
+def quantize_int8_rows(w: np.ndarray, block: int = 4096) -> Int8Rows:
+    """reference.int8_rows, compiled: q = round(w / s), s = max|w_row| / 127. Converts `block`
+    rows to float32 at a time, so a float16 table is never copied whole."""
+    q = np.empty(w.shape, np.int8)
+    s = np.empty(w.shape[0], np.float32)
+    for a in range(0, w.shape[0], block):
+        _int8_rows(np.ascontiguousarray(w[a:a + block], dtype=np.float32), q[a:a + block], s[a:a + block])
+    return Int8Rows(q, s)
+
+
+# -- 4-bit linear --------------------------------------------------------------------------------
+
+@njit(parallel=True, fastmath=True, cache=True)
+def q4_gemv(x, w, s, zs, y, nchunk):
+    """y [out] = x [in] @ W.T for a planar 4-bit layer; the words of each row are split into
+    `nchunk` column ranges, one per task."""
+    n_in, W = w.shape
+    g = n_in // s.shape[0]
+    step = (W + nchunk - 1) // nchunk
+    for ch in prange(nchunk):
+        c0 = ch * step
+        c1 = min(W, c0 + step)
+        n = c1 - c0
+        out = np.zeros((8, n), np.float32)
+        acc = np.empty((8, n), np.float32)
+        for gi in range(s.shape[0]):
+            acc[:] = 0
+            xs = np.float32(0)
+            for i in range(gi * g, gi * g + g, 4):      # four rows per pass: fewer acc round trips
+                x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+                xs += x0 + x1 + x2 + x3
+                r0, r1, r2, r3 = w[i, c0:c1], w[i + 1, c0:c1], w[i + 2, c0:c1], w[i + 3, c0:c1]
+                for j in range(7):
+                    # nibble j masked in place reads as q * 16^j: exact in float32, the 16^-j is
+                    # applied once per group
+                    m = np.int32(15 << (4 * j))
+                    a = acc[j]
+                    for c in range(n):
+                        a[c] += (x0 * np.float32(r0[c] & m) + x1 * np.float32(r1[c] & m)
+                                 + x2 * np.float32(r2[c] & m) + x3 * np.float32(r3[c] & m))
+                a = acc[7]
+                for c in range(n):
+                    a[c] += (x0 * np.float32((r0[c] >> 28) & 15) + x1 * np.float32((r1[c] >> 28) & 15)
+                             + x2 * np.float32((r2[c] >> 28) & 15) + x3 * np.float32((r3[c] >> 28) & 15))
+            for j in range(8):
+                f = np.float32(16.0 ** -j) if j < 7 else np.float32(1)
+                sj = s[gi, j * W + c0:j * W + c1]
+                zj = zs[gi, j * W + c0:j * W + c1]
+                o = out[j]
+                a = acc[j]
+                for c in range(n):
+                    o[c] += sj[c] * (a[c] * f) - zj[c] * xs
+        for j in range(8):
+            y[j * W + c0:j * W + c1] = out[j]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def q4_dequantize(w, s, zs, dst):
+    """dst float32 [in, out] = W.T of a planar 4-bit layer."""
+    n_in, W = w.shape
+    g = n_in // s.shape[0]
+    for i in prange(n_in):
+        gi = i // g
+        for j in range(8):
+            shift = 4 * j
+            for c in range(W):
+                o = j * W + c
+                dst[i, o] = np.float32((w[i, c] >> shift) & 15) * s[gi, o] - zs[gi, o]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def int8_gemv(x, q, s, y, nchunk):
+    """y [out] = (q [out, in] * s[:, None]) @ x [in]."""
+    rows = q.shape[0]
+    step = (rows + nchunk - 1) // nchunk
+    for ch in prange(nchunk):
+        for r in range(ch * step, min(rows, ch * step + step)):
+            acc = np.float32(0)
+            row = q[r]
+            for i in range(row.shape[0]):
+                acc += x[i] * np.float32(row[i])
+            y[r] = acc * s[r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def int8_dequantize(q, s, dst):
+    for r in prange(q.shape[0]):
+        for i in range(q.shape[1]):
+            dst[i, r] = np.float32(q[r, i]) * s[r]
+
+
+# -- the small ops --------------------------------------------------------------------------------
+
+@njit(fastmath=True, cache=True)
+def rmsnorm(x, w, eps):
+    """x [T, H], w [H] float32 -> [T, H] float32."""
+    T, H = x.shape
+    y = np.empty((T, H), np.float32)
+    for t in range(T):
+        ss = np.float32(0)
+        for i in range(H):
+            ss += x[t, i] * x[t, i]
+        r = np.float32(1) / np.sqrt(ss / np.float32(H) + np.float32(eps))
+        for i in range(H):
+            y[t, i] = x[t, i] * r * w[i]
+    return y
+
+
+@njit(fastmath=True, cache=True)
+def rope(x, cos, sin):
+    """x [T, N, D] -> rotated copy (rotate-half layout), cos/sin [T, D/2]."""
+    T, N, D = x.shape
+    half = D // 2
+    y = np.empty((T, N, D), np.float32)
+    for t in range(T):
+        for h in range(N):
+            for i in range(half):
+                a, b = x[t, h, i], x[t, h, i + half]
+                c, s = cos[t, i], sin[t, i]
+                y[t, h, i] = a * c - b * s
+                y[t, h, i + half] = b * c + a * s
+    return y
+
+
+@njit(fastmath=True, cache=True)
+def silu_mul(gate, up):
+    """gate, up [T, I] -> silu(gate) * up."""
+    T, I = gate.shape
+    y = np.empty((T, I), np.float32)
+    for t in range(T):
+        for i in range(I):
+            g = gate[t, i]
+            y[t, i] = g / (np.float32(1) + np.exp(-g)) * up[t, i]
+    return y
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attention_decode(q, k, v, q_pos, k_pos, scale, window):
+    """One query per head over the cache: q [Q, D]; k, v [G, S, D]; k_pos [S] (-1 = free slot);
+    window <= 0 means none. Returns [Q, D]."""
+    Q, D = q.shape
+    G, S = k.shape[0], k.shape[1]
+    R = Q // G
+    out = np.zeros((Q, D), np.float32)
+    for h in prange(Q):
+        g = h // R
+        scores = np.empty(S, np.float32)
+        m = -np.inf
+        for s in range(S):
+            p = k_pos[s]
+            if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
+                scores[s] = -np.inf
+                continue
+            acc = np.float32(0)
+            for d in range(D):
+                acc += q[h, d] * k[g, s, d]
+            scores[s] = acc * scale
+            m = max(m, scores[s])
+        total = np.float32(0)
+        for s in range(S):
+            e = np.exp(scores[s] - m) if scores[s] > -np.inf else np.float32(0)
+            scores[s] = e
+            total += e
+        inv = np.float32(1) / total
+        for s in range(S):
+            p = scores[s] * inv
+            if p != 0:
+                for d in range(D):
+                    out[h, d] += p * v[g, s, d]
+    return out
+
+
+@njit(cache=True)
+def store_kv(k_buf, v_buf, slots, k, v):
+    """k, v [T, G, D] -> cache buffers [G, S, D] at slots [T]."""
+    T, G, D = k.shape
+    for t in range(T):
+        s = slots[t]
+        for g in range(G):
+            for d in range(D):
+                k_buf[g, s, d] = k[t, g, d]
+                v_buf[g, s, d] = v[t, g, d]
+
+
+# -- the backend ---------------------------------------------------------------------------------
+
+class CpuBackend(reference.ReferenceBackend):
+    """The decoder's ops on the Numba kernels above. Prepared weights: Q4Linear for 4-bit
+    projections, Int8Rows for the LM head, float32 [out, in] arrays for float projections."""
+
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        if threads is not None:
+            numba.set_num_threads(threads)
+        self.threads = numba.get_num_threads()
+        self._scratch = np.empty(0, np.float32)
+
+    def prepare_linear(self, parts: list):
+        if all(isinstance(p, awq_layout.QuantizedLinear) for p in parts):
+            return repack(parts)
+        return super().prepare_linear(parts)
+
+    def prepare_head(self, table: np.ndarray, quantized: bool = False):
+        # the same int8 rows as the reference (see ReferenceBackend.prepare_head), read as int8
+        return quantize_int8_rows(table) if quantized else self.prepare_linear([table])
+
+    def prepare_embedding(self, table: np.ndarray) -> np.ndarray:
+        return table          # looked up a few rows at a time: stays as stored (mmap, f16 or f32)
+
+    def _dequantized(self, w) -> np.ndarray:
+        """The float32 [in, out] of a 4-bit or int8 layer, in a scratch buffer reused by all."""
+        n_out, n_in = w.shape if isinstance(w, Q4Linear) else w.q.shape
+        if self._scratch.size < n_in * n_out:
+            self._scratch = np.empty(n_in * n_out, np.float32)
+        dst = self._scratch[:n_in * n_out].reshape(n_in, n_out)
+        if isinstance(w, Q4Linear):
+            q4_dequantize(w.w, w.s, w.zs, dst)
+        else:
+            int8_dequantize(w.q, w.s, dst)
+        return dst
+
+    def linear(self, x: np.ndarray, w) -> np.ndarray:
+        if isinstance(w, np.ndarray):
+            return reference.linear(x, w)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        T = x.shape[0]
+        if T > GEMV_MAX_TOKENS:
+            return x @ self._dequantized(w)
+        n_out = w.shape[0] if isinstance(w, Q4Linear) else w.q.shape[0]
+        y = np.empty((T, n_out), np.float32)
+        for t in range(T):
+            if isinstance(w, Q4Linear):
+                q4_gemv(x[t], w.w, w.s, w.zs, y[t], self.threads)
+            else:
+                int8_gemv(x[t], w.q, w.s, y[t], self.threads)
+        return y
+
+    def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return table[ids].astype(np.float32)
+
+    def rmsnorm(self, x, w, eps):
+        return rmsnorm(np.ascontiguousarray(x, dtype=np.float32), w, eps)
+
+    def rope(self, x, cos, sin):
+        return rope(x, cos, sin)
+
+    def silu_mul(self, gate, up):
+        return silu_mul(gate, up)
+
+    def attention(self, q, k, v, q_pos, k_pos, scale, window=None):
+        if q.ndim == 3 and q.shape[0] == 1:
+            out = attention_decode(q[0], k, v, int(q_pos[0]), k_pos, np.float32(scale),
+                                   window or 0)
+            return out[None]
+        return reference.attention(q, k, v, q_pos, k_pos, scale, window)
+
+    def store_kv(self, k_buf, v_buf, slots, k, v):
+        store_kv(k_buf, v_buf, slots, np.ascontiguousarray(k), np.ascontiguousarray(v))

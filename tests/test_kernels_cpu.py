@@ -1,0 +1,120 @@
+"""The Numba CPU kernels against the NumPy reference, on fresh random inputs of several shapes."""
+
+import numpy as np
+import pytest
+
+import tinyrt
+from helpers import rel_err, tiny_config, write_tiny_model
+from tinyrt.kernels import awq_layout, cpu, get_backend
+from tinyrt.kernels import reference as ref
+
+rng = np.random.default_rng()
+
+
+def packed(n_in: int, n_out: int, g: int) -> awq_layout.QuantizedLinear:
+    codes = rng.integers(0, 16, (n_in, n_out))
+    zeros = rng.integers(0, 16, (n_in // g, n_out))
+    scales = (rng.random((n_in // g, n_out)) * 0.02 + 0.001).astype(np.float16)
+    return awq_layout.QuantizedLinear(awq_layout.pack(codes), awq_layout.pack(zeros), scales)
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("n_in, outs", [(128, [64]), (256, [96, 32, 32]), (384, [200, 200]),
+                                        (576, [576, 192, 192])])
+@pytest.mark.parametrize("T", [1, 3, cpu.GEMV_MAX_TOKENS + 3])
+def test_q4_linear(g, n_in, outs, T):
+    parts = [packed(n_in, o, g) for o in outs]
+    w = np.concatenate([awq_layout.dequantize(*p) for p in parts])            # [out, in]
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    be = cpu.CpuBackend()
+    prepared = be.prepare_linear(parts)
+    assert prepared.w.shape == (n_in, sum(outs) // 8)                          # nibbles, no copy
+    got = be.linear(x, prepared)
+    assert rel_err(got, ref.linear(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("nchunk", [1, 2, 3, 7])
+def test_q4_gemv_any_split(nchunk):
+    parts = [packed(192, 120, 32)]
+    p = cpu.repack(parts)
+    x = rng.standard_normal(192).astype(np.float32)
+    y = np.empty(120, np.float32)
+    cpu.q4_gemv(x, p.w, p.s, p.zs, y, nchunk)
+    assert rel_err(y, awq_layout.dequantize(*parts[0]) @ x) < 1e-5
+
+
+def test_int8_head():
+    table = rng.standard_normal((1000, 96)).astype(np.float32)
+    be = cpu.CpuBackend()
+    head = be.prepare_head(table, quantized=True)
+    q, s = ref.int8_rows(table)
+    assert np.array_equal(head.q, q) and np.array_equal(head.s, s)
+    step = np.abs(table).max(axis=1) / 127
+    assert np.all(np.abs(head.q * head.s[:, None] - table) <= step[:, None] / 2 + 1e-6)
+    for T in (1, 9):
+        x = rng.standard_normal((T, 96)).astype(np.float32)
+        assert rel_err(be.linear(x, head), x @ (head.q * head.s[:, None]).T) < 1e-5
+        assert rel_err(be.linear(x, head), x @ table.T) < 1e-2
+
+
+@pytest.mark.parametrize("T, H", [(1, 96), (7, 576), (3, 33)])
+def test_rmsnorm_silu(T, H):
+    x, w = rng.standard_normal((T, H)).astype(np.float32), rng.standard_normal(H).astype(np.float32)
+    np.testing.assert_allclose(cpu.rmsnorm(x, w, 1e-5), ref.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    u = rng.standard_normal((T, H)).astype(np.float32) * 10
+    np.testing.assert_allclose(cpu.silu_mul(u, x), ref.silu_mul(u, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T, N, D", [(1, 9, 64), (5, 3, 16), (13, 8, 128)])
+def test_rope(T, N, D):
+    x = rng.standard_normal((T, N, D)).astype(np.float32)
+    cos, sin = ref.rope_tables(1.0 / 10000 ** (np.arange(0, D, 2) / D), rng.integers(0, 4096, T))
+    np.testing.assert_allclose(cpu.rope(x, cos, sin), ref.rope(x, cos, sin), atol=1e-5)
+
+
+@pytest.mark.parametrize("ratio", [1, 3, 4, 8])
+@pytest.mark.parametrize("S", [1, 17, 255])
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_decode(ratio, S, window):
+    G, D = 2, 32
+    q = rng.standard_normal((1, G * ratio, D)).astype(np.float32)
+    k, v = (rng.standard_normal((G, S, D)).astype(np.float32) for _ in range(2))
+    k_pos = rng.permutation(S + 3)[:S]                 # a ring buffer: any order, some free slots
+    k_pos[rng.random(S) < 0.2] = -1
+    q_pos = np.array([S + 3])
+    k_pos[0] = q_pos[0]                                # the query's own key is always there
+    be = cpu.CpuBackend()
+    got = be.attention(q, k, v, q_pos, k_pos, 0.2, window)
+    np.testing.assert_allclose(got, ref.attention(q, k, v, q_pos, k_pos, 0.2, window), atol=1e-5)
+
+
+def test_store_kv():
+    k_buf, v_buf = np.zeros((3, 10, 8), np.float32), np.zeros((3, 10, 8), np.float32)
+    k, v = rng.standard_normal((4, 3, 8)).astype(np.float32), rng.standard_normal((4, 3, 8)).astype(np.float32)
+    slots = np.array([7, 2, 9, 0])
+    want_k, want_v = k_buf.copy(), v_buf.copy()
+    ref.ReferenceBackend.store_kv(want_k, want_v, slots, k, v)
+    cpu.CpuBackend().store_kv(k_buf, v_buf, slots, k, v)
+    assert np.array_equal(k_buf, want_k) and np.array_equal(v_buf, want_v)
+
+
+def test_dispatch():
+    assert get_backend("cpu").name == "cpu" and get_backend("auto").name == "cpu"
+    assert get_backend("reference").name == "reference"
+    with pytest.raises(ValueError, match="unknown device"):
+        get_backend("tpu")
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 8), (8, 1)])
+def test_tiny_model_cpu_equals_reference(tmp_path, heads, kv_heads):
+    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=heads,
+                                                     num_key_value_heads=kv_heads))
+    from tinyrt.converters import convert
+
+    q = convert(d, tmp_path / "q", method="rtn", group_size=32)
+    for model in (d, q):
+        fast, slow = tinyrt.LLM(model, device="cpu"), tinyrt.LLM(model, device="reference")
+        prompt = "hello there, " * 5
+        a = fast.generate(prompt, max_tokens=24, temperature=0, raw=True)
+        b = slow.generate(prompt, max_tokens=24, temperature=0, raw=True)
+        assert a == b
