@@ -236,37 +236,40 @@ def silu_mul(gate, up):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def attention_decode(q, k, v, q_pos, k_pos, scale, window):
-    """One query per head over the cache: q [Q, D]; k, v [G, S, D]; k_pos [S] (-1 = free slot);
-    window <= 0 means none. Returns [Q, D]."""
+    """One query per head over the cache: q [Q, D]; k, v [G, S', D] whole cache buffers of which
+    the first len(k_pos) slots are read; k_pos -1 = free slot; window <= 0 means none.
+    Returns [Q, D]."""
     Q, D = q.shape
-    G, S = k.shape[0], k.shape[1]
+    G, S = k.shape[0], k_pos.shape[0]
     R = Q // G
     out = np.zeros((Q, D), np.float32)
     for h in prange(Q):
-        g = h // R
+        kg, vg, qh, oh = k[h // R], v[h // R], q[h], out[h]
         scores = np.empty(S, np.float32)
-        m = -np.inf
+        m = np.float32(-np.inf)
         for s in range(S):
             p = k_pos[s]
             if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
                 scores[s] = -np.inf
                 continue
+            row = kg[s]
             acc = np.float32(0)
             for d in range(D):
-                acc += q[h, d] * k[g, s, d]
+                acc += qh[d] * row[d]
             scores[s] = acc * scale
             m = max(m, scores[s])
         total = np.float32(0)
         for s in range(S):
-            e = np.exp(scores[s] - m) if scores[s] > -np.inf else np.float32(0)
+            e = np.exp(scores[s] - m)          # exp(-inf) = 0 for masked slots
             scores[s] = e
             total += e
         inv = np.float32(1) / total
         for s in range(S):
-            p = scores[s] * inv
-            if p != 0:
+            if scores[s] != 0:
+                p = scores[s] * inv
+                row = vg[s]
                 for d in range(D):
-                    out[h, d] += p * v[g, s, d]
+                    oh[d] += p * row[d]
     return out
 
 

@@ -67,8 +67,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
               scale: float, window: int | None = None) -> np.ndarray:
     """Grouped-query attention of T queries over S cached keys, for prefill and decode alike.
 
-    q [T, Q, D]; k, v [G, S, D]; q_pos [T] and k_pos [S] are the positions of queries and cached
-    tokens (k_pos -1 marks an empty slot). A query sees a key when k_pos <= q_pos (causal) and, with
+    q [T, Q, D]; k, v [G, S', D]; q_pos [T] and k_pos [S] are the positions of queries and cached
+    tokens (k_pos -1 marks an empty slot); slots S and beyond (S' >= S, a whole cache buffer) are
+    not read. A query sees a key when k_pos <= q_pos (causal) and, with
     a sliding window, q_pos - k_pos < window. Slots may hold positions in any order (a ring buffer).
     Query head h reads KV head h // R. Returns [T, Q, D] float32. A leading batch dimension B on q,
     k and v ([B, T, Q, D], [B, G, S, D]) runs B sequences with the same positions at once.
@@ -76,6 +77,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
     batched = q.ndim == 4
     if not batched:
         q, k, v = q[None], k[None], v[None]
+    k, v = k[:, :, :len(k_pos)], v[:, :, :len(k_pos)]
     B, T, Q, D = q.shape
     G = k.shape[1]
     qg = q.reshape(B, T, G, Q // G, D).transpose(0, 2, 3, 1, 4)      # [B, G, R, T, D]

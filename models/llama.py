@@ -141,8 +141,7 @@ class LlamaModel:
             v = qkv[:, (Q + G) * D:].reshape(T, G, D)
             k_buf, v_buf = cache.layer(i)
             be.store_kv(k_buf, v_buf, slots, k, v)
-            n = len(k_pos)
-            a = be.attention(q, k_buf[:, :n], v_buf[:, :n], pos, k_pos, self.scale,
+            a = be.attention(q, k_buf, v_buf, pos, k_pos, self.scale,
                              cfg.sliding_window)                           # [T, Q, D]
             x = x + be.linear(a.reshape(T, Q * D), L.o)
             h = be.rmsnorm(x, L.post_norm, cfg.rms_norm_eps)

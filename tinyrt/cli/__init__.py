@@ -7,9 +7,9 @@ import sys
 
 from tinyrt.errors import TinyrtError
 
-from . import chat, convert, generate, info, ppl, pull
+from . import bench, chat, convert, generate, info, ppl, pull
 
-COMMANDS = {"pull": pull, "convert": convert, "generate": generate, "chat": chat, "ppl": ppl, "info": info}
+COMMANDS = {"pull": pull, "convert": convert, "generate": generate, "chat": chat, "ppl": ppl, "bench": bench, "info": info}
 
 
 def build_parser() -> argparse.ArgumentParser:

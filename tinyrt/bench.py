@@ -1,0 +1,70 @@
+"""`tinyrt bench`: what a model costs on this machine. Load time; TTFT and prefill speed of a
+prompt of `prompt_tokens` tokens (WikiText-like text is not shipped, so the prompt is the Python
+documentation that calibrates AWQ); decode speed over `decode_tokens` greedy tokens (median of
+`runs` runs, EOS ignored); peak RSS; the bytes of weights a decoded token reads and the GB/s that
+makes."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import numpy as np
+
+
+def weight_bytes(model) -> int:
+    """Bytes of prepared weights one decoded token reads: every layer and the LM head (the
+    embedding reads one row)."""
+    def nbytes(w) -> int:
+        if isinstance(w, np.ndarray):
+            return w.nbytes
+        return sum(nbytes(part) for part in w)    # a NamedTuple of arrays
+
+    layers = sum(nbytes(getattr(L, f)) for L in model.layers
+                 for f in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"))
+    return layers + nbytes(model.lm_head) + nbytes(model.norm)
+
+
+def prompt_ids(llm, n: int) -> np.ndarray:
+    from tinyrt.converters.calibration import default_text
+
+    ids = llm.tokenizer.encode(default_text()[:n * 12], add_special=True)
+    if len(ids) < n:
+        raise ValueError(f"the benchmark text has only {len(ids)} tokens")
+    return np.asarray(ids[:n], dtype=np.int64)
+
+
+def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) -> dict:
+    """Measure `llm` (a tinyrt.LLM); returns a dict of figures (medians over `runs`)."""
+    model, cache = llm.model, llm.cache
+    ids = prompt_ids(llm, prompt_tokens)
+    if prompt_tokens + decode_tokens > cache.capacity:
+        raise ValueError(f"prompt + decode = {prompt_tokens + decode_tokens} tokens exceed the "
+                         f"KV cache of {cache.capacity}")
+    model.forward(ids[:8], cache)                      # warm-up: the kernels' first calls
+    cache.reset()
+    ttft, decode = [], []
+    for _ in range(runs):
+        cache.reset()
+        start = time.perf_counter()
+        logits = model.backend.to_numpy(model.forward(ids, cache))
+        token = int(np.argmax(logits[-1]))
+        ttft.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(decode_tokens):
+            logits = model.backend.to_numpy(model.forward(np.array([token]), cache))
+            token = int(np.argmax(logits[-1]))
+        decode.append((time.perf_counter() - start) / decode_tokens)
+    step = statistics.median(decode)
+    per_token = weight_bytes(model)
+    return {
+        "model": str(llm.directory), "device": model.backend.name,
+        "threads": getattr(model.backend, "threads", None),
+        "load_s": llm.load_s,
+        "prompt_tokens": prompt_tokens, "ttft_s": statistics.median(ttft),
+        "prefill_tok_s": prompt_tokens / statistics.median(ttft),
+        "decode_tokens": decode_tokens, "decode_tok_s": 1 / step,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "weight_mb_per_token": per_token / 1e6, "decode_gb_s": per_token / step / 1e9,
+    }

@@ -1,0 +1,49 @@
+"""`tinyrt bench [MODEL]`: load time, prefill, decode, peak memory and bandwidth of a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tinyrt.kernels import DEVICES
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure a model's speed and memory",
+                       description="Load time, TTFT and prefill tok/s of a prompt, decode tok/s "
+                                   "(median of --runs), peak RSS, weight bytes per decoded token "
+                                   "and the GB/s it makes.")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model directory, GGUF file, HF directory or known name (default: the "
+                        "default model)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    import tinyrt
+    from tinyrt import bench
+    from tinyrt.errors import TinyrtError
+
+    llm = tinyrt.load(args.model, device=args.device, threads=args.threads,
+                      kv_size=args.prompt_tokens + args.decode_tokens)
+    try:
+        r = bench.run(llm, args.prompt_tokens, args.decode_tokens, args.runs)
+    except ValueError as e:
+        raise TinyrtError(str(e)) from None
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(f"{r['model']} on {r['device']} ({r['threads'] or 'BLAS'} threads)\n"
+          f"  load           {r['load_s']:8.2f} s\n"
+          f"  TTFT           {r['ttft_s'] * 1e3:8.0f} ms   ({r['prompt_tokens']}-token prompt)\n"
+          f"  prefill        {r['prefill_tok_s']:8.1f} tok/s\n"
+          f"  decode         {r['decode_tok_s']:8.1f} tok/s   (median of {args.runs} x "
+          f"{r['decode_tokens']} tokens)\n"
+          f"  peak RSS       {r['peak_rss_mb']:8.0f} MB\n"
+          f"  weights/token  {r['weight_mb_per_token']:8.1f} MB   -> {r['decode_gb_s']:.1f} GB/s")
+    return 0
