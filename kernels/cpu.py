@@ -29,6 +29,7 @@ from numba import njit, prange
 from . import awq_layout, reference
 
 GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
+PARALLEL_MIN_WORDS = 256  # narrower 4-bit layers (words per row) run their GEMV on one thread
 
 
 class Q4Linear(NamedTuple):
@@ -110,48 +111,60 @@ def quantize_int8_rows(w: np.ndarray, block: int = 4096) -> Int8Rows:
 
 # -- 4-bit linear --------------------------------------------------------------------------------
 
-@njit(parallel=True, fastmath=True, cache=True)
-def q4_gemv(x, w, s, zs, y, nchunk):
-    """y [out] = x [in] @ W.T for a planar 4-bit layer; the words of each row are split into
-    `nchunk` column ranges, one per task."""
+@njit(fastmath=True, cache=True)
+def _q4_columns(x, w, s, zs, y, c0, c1):
+    """The outputs j * W + c for c in [c0, c1) of y = x @ W.T (planar 4-bit layer)."""
     n_in, W = w.shape
     g = n_in // s.shape[0]
-    step = (W + nchunk - 1) // nchunk
-    for ch in prange(nchunk):
-        c0 = ch * step
-        c1 = min(W, c0 + step)
-        n = c1 - c0
-        out = np.zeros((8, n), np.float32)
-        acc = np.empty((8, n), np.float32)
-        for gi in range(s.shape[0]):
-            acc[:] = 0
-            xs = np.float32(0)
-            for i in range(gi * g, gi * g + g, 4):      # four rows per pass: fewer acc round trips
-                x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-                xs += x0 + x1 + x2 + x3
-                r0, r1, r2, r3 = w[i, c0:c1], w[i + 1, c0:c1], w[i + 2, c0:c1], w[i + 3, c0:c1]
-                for j in range(7):
-                    # nibble j masked in place reads as q * 16^j: exact in float32, the 16^-j is
-                    # applied once per group
-                    m = np.int32(15 << (4 * j))
-                    a = acc[j]
-                    for c in range(n):
-                        a[c] += (x0 * np.float32(r0[c] & m) + x1 * np.float32(r1[c] & m)
-                                 + x2 * np.float32(r2[c] & m) + x3 * np.float32(r3[c] & m))
-                a = acc[7]
-                for c in range(n):
-                    a[c] += (x0 * np.float32((r0[c] >> 28) & 15) + x1 * np.float32((r1[c] >> 28) & 15)
-                             + x2 * np.float32((r2[c] >> 28) & 15) + x3 * np.float32((r3[c] >> 28) & 15))
-            for j in range(8):
-                f = np.float32(16.0 ** -j) if j < 7 else np.float32(1)
-                sj = s[gi, j * W + c0:j * W + c1]
-                zj = zs[gi, j * W + c0:j * W + c1]
-                o = out[j]
+    n = c1 - c0
+    out = np.zeros((8, n), np.float32)
+    acc = np.empty((8, n), np.float32)
+    for gi in range(s.shape[0]):
+        acc[:] = 0
+        xs = np.float32(0)
+        for i in range(gi * g, gi * g + g, 4):      # four rows per pass: fewer acc round trips
+            x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+            xs += x0 + x1 + x2 + x3
+            r0, r1, r2, r3 = w[i, c0:c1], w[i + 1, c0:c1], w[i + 2, c0:c1], w[i + 3, c0:c1]
+            for j in range(7):
+                # nibble j masked in place reads as q * 16^j: exact in float32; the 16^-j is
+                # applied once per group
+                m = np.int32(15 << (4 * j))
                 a = acc[j]
                 for c in range(n):
-                    o[c] += sj[c] * (a[c] * f) - zj[c] * xs
+                    a[c] += (x0 * np.float32(r0[c] & m) + x1 * np.float32(r1[c] & m)
+                             + x2 * np.float32(r2[c] & m) + x3 * np.float32(r3[c] & m))
+            a = acc[7]
+            for c in range(n):
+                a[c] += (x0 * np.float32((r0[c] >> 28) & 15) + x1 * np.float32((r1[c] >> 28) & 15)
+                         + x2 * np.float32((r2[c] >> 28) & 15) + x3 * np.float32((r3[c] >> 28) & 15))
         for j in range(8):
-            y[j * W + c0:j * W + c1] = out[j]
+            f = np.float32(16.0 ** -j) if j < 7 else np.float32(1)
+            sj = s[gi, j * W + c0:j * W + c1]
+            zj = zs[gi, j * W + c0:j * W + c1]
+            o = out[j]
+            a = acc[j]
+            for c in range(n):
+                o[c] += sj[c] * (a[c] * f) - zj[c] * xs
+    for j in range(8):
+        y[j * W + c0:j * W + c1] = out[j]
+
+
+@njit(parallel=True, cache=True)
+def q4_gemv(x, w, s, zs, y, nchunk):
+    """y [out] = x [in] @ W.T for a planar 4-bit layer, the words of each row split into
+    `nchunk` column ranges, one per task."""
+    W = w.shape[1]
+    step = (W + nchunk - 1) // nchunk
+    for ch in prange(nchunk):
+        _q4_columns(x, w, s, zs, y, ch * step, min(W, ch * step + step))
+
+
+@njit(cache=True)
+def q4_gemv_serial(x, w, s, zs, y):
+    """q4_gemv on the calling thread: for narrow layers, where waking threads costs more than
+    it saves."""
+    _q4_columns(x, w, s, zs, y, 0, w.shape[1])
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -334,7 +347,10 @@ class CpuBackend(reference.ReferenceBackend):
         y = np.empty((T, n_out), np.float32)
         for t in range(T):
             if isinstance(w, Q4Linear):
-                q4_gemv(x[t], w.w, w.s, w.zs, y[t], self.threads)
+                if self.threads > 1 and w.w.shape[1] >= PARALLEL_MIN_WORDS:
+                    q4_gemv(x[t], w.w, w.s, w.zs, y[t], self.threads)
+                else:
+                    q4_gemv_serial(x[t], w.w, w.s, w.zs, y[t])
             else:
                 int8_gemv(x[t], w.q, w.s, y[t], self.threads)
         return y

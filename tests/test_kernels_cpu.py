@@ -40,7 +40,10 @@ def test_q4_gemv_any_split(nchunk):
     x = rng.standard_normal(192).astype(np.float32)
     y = np.empty(120, np.float32)
     cpu.q4_gemv(x, p.w, p.s, p.zs, y, nchunk)
-    assert rel_err(y, awq_layout.dequantize(*parts[0]) @ x) < 1e-5
+    want = awq_layout.dequantize(*parts[0]) @ x
+    assert rel_err(y, want) < 1e-5
+    cpu.q4_gemv_serial(x, p.w, p.s, p.zs, y)
+    assert rel_err(y, want) < 1e-5
 
 
 def test_int8_head():
