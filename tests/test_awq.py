@@ -14,6 +14,7 @@ from tinyrt.converters.awq import QuantOptions, linear_mse, output_mse, search_s
 from tinyrt.converters.quantize import dequantize, fake_quantize, pack_linear, quantize
 from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import awq_layout, get_backend
+from tinyrt.kernels.reference import int8_rows
 from tinyrt.kv_cache import KVCache
 from tinyrt.models import WeightStore, linear_shapes, load_model
 
@@ -179,6 +180,8 @@ def _autoawq_checkpoint(directory, cfg, g, seed=0):
 def test_autoawq_checkpoint_loads_and_runs(tmp_path):
     cfg = tiny_config()
     deq = _autoawq_checkpoint(tmp_path / "awq", cfg, g=32)
+    q, s = int8_rows(deq["lm_head.weight"])                      # a 4-bit model's head is int8 rows
+    deq["lm_head.weight"] = q * s[:, None]
     write_tiny_model(tmp_path / "float", cfg, weights=deq)      # the same weights, in float
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "awq" / f).write_bytes((tmp_path / "float" / f).read_bytes())
