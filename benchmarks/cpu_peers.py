@@ -10,7 +10,6 @@ Needs `pip install llama-cpp-python torch transformers accelerate` (not CI depen
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -26,21 +25,27 @@ def prompt(n: int) -> list[int]:
 
 
 def llama_cpp(args, ids):
-    from llama_cpp import Llama
+    import llama_cpp
+    import numpy as np
 
-    m = Llama(args.gguf, n_ctx=4096, n_threads=args.threads, n_threads_batch=args.threads,
-              n_batch=512, verbose=False)
+    m = llama_cpp.Llama(args.gguf, n_ctx=4096, n_threads=args.threads,
+                        n_threads_batch=args.threads, n_batch=512, verbose=False)
+
+    def last_logits():      # the last evaluated token's logits (Llama.scores stays empty here)
+        ptr = llama_cpp.llama_get_logits_ith(m._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(m.n_vocab(),))
+
     ttft, decode = [], []
     for _ in range(args.runs):
         m.reset()
         t = time.perf_counter()
         m.eval(ids)
-        tok = int(m.scores[m.n_tokens - 1].argmax())
+        tok = int(last_logits().argmax())
         ttft.append(time.perf_counter() - t)
         t = time.perf_counter()
         for _ in range(args.decode):
             m.eval([tok])
-            tok = int(m.scores[m.n_tokens - 1].argmax())
+            tok = int(last_logits().argmax())
         decode.append((time.perf_counter() - t) / args.decode)
     return ttft, decode
 
@@ -74,24 +79,20 @@ def tinyrt_cpu(args, ids):
     import numpy as np
 
     import tinyrt
+    from tinyrt.bench import timed_runs
 
     llm = tinyrt.load(args.model, device="cpu", threads=args.threads, kv_size=4096)
-    model, cache = llm.model, llm.cache
-    model.forward(np.array(ids[:8]), cache)
-    ttft, decode = [], []
-    for _ in range(args.runs):
-        cache.reset()
-        t = time.perf_counter()
-        tok = int(np.argmax(model.forward(np.array(ids), cache)[-1]))
-        ttft.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        for _ in range(args.decode):
-            tok = int(np.argmax(model.forward(np.array([tok]), cache)[-1]))
-        decode.append((time.perf_counter() - t) / args.decode)
-    return ttft, decode
+    return timed_runs(llm.model, llm.cache, np.array(ids), args.decode, args.runs)
 
 
 ENGINES = {"tinyrt": tinyrt_cpu, "llama.cpp": llama_cpp, "transformers": hf}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss, not inherited from the parent)."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kb / 1024
 
 
 def child(args) -> None:
@@ -99,7 +100,7 @@ def child(args) -> None:
     ttft, decode = ENGINES[args.engine](args, ids)
     print(json.dumps({"prefill_tok_s": len(ids) / statistics.median(ttft),
                       "decode_tok_s": 1 / statistics.median(decode),
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "peak_rss_mb": peak_rss_mb()}))
 
 
 def main() -> None:

@@ -355,9 +355,6 @@ class CpuBackend(reference.ReferenceBackend):
                 int8_gemv(x[t], w.q, w.s, y[t], self.threads)
         return y
 
-    def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return table[ids].astype(np.float32)
-
     def rmsnorm(self, x, w, eps):
         return rmsnorm(np.ascontiguousarray(x, dtype=np.float32), w, eps)
 

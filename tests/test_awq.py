@@ -236,15 +236,16 @@ def test_calibration_json_lines(tmp_path):
     assert np.all(ids % 10 == np.arange(10))                     # whole, aligned windows
 
 
-def test_interrupted_awq_conversion_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("method, stop_at", [("none", 5), ("awq", 1)])   # tensors / layers done
+def test_interrupted_conversion_leaves_nothing(tmp_path, method, stop_at):
     src = write_tiny_model(tmp_path / "m", tiny_config())
 
     def interrupt(done, total, what):
-        if done == 1:
+        if done == stop_at:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        convert(src, tmp_path / "out", method="awq", calib_samples=2, calib_seqlen=32,
+        convert(src, tmp_path / "out", method=method, calib_samples=2, calib_seqlen=32,
                 progress=interrupt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     convert(src, tmp_path / "out", method="rtn")

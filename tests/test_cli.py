@@ -93,20 +93,6 @@ def test_errors_are_one_clear_line(tmp_path):
     _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--top-p", "2"), "top-p")
 
 
-def test_convert_interrupted_in_process_leaves_nothing(tmp_path):
-    from tinyrt.converters import convert
-
-    d = write_tiny_model(tmp_path / "src", tiny_config())
-
-    def interrupt(done, total, name):
-        if done == 5:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        convert(d, tmp_path / "out", method="none", progress=interrupt)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-
-
 @pytest.mark.real_model
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_convert_killed_leaves_no_output(tmp_path, default_gguf, sig):

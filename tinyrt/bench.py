@@ -35,6 +35,23 @@ def prompt_ids(llm, n: int) -> np.ndarray:
     return np.asarray(ids[:n], dtype=np.int64)
 
 
+def timed_runs(model, cache, ids: np.ndarray, decode_tokens: int, runs: int):
+    """Seconds to the first token of prompt `ids` from an empty cache, and seconds per greedy
+    decoded token after it, for each of `runs` runs (after one warm-up call)."""
+    model.forward(ids[:8], cache)                      # warm-up: the kernels' first calls
+    ttft, decode = [], []
+    for _ in range(runs):
+        cache.reset()
+        start = time.perf_counter()
+        token = int(np.argmax(model.backend.to_numpy(model.forward(ids, cache))[-1]))
+        ttft.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(decode_tokens):
+            token = int(np.argmax(model.backend.to_numpy(model.forward(np.array([token]), cache))[-1]))
+        decode.append((time.perf_counter() - start) / decode_tokens)
+    return ttft, decode
+
+
 def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) -> dict:
     """Measure `llm` (a tinyrt.LLM); returns a dict of figures (medians over `runs`)."""
     model, cache = llm.model, llm.cache
@@ -42,20 +59,7 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
     if prompt_tokens + decode_tokens > cache.capacity:
         raise ValueError(f"prompt + decode = {prompt_tokens + decode_tokens} tokens exceed the "
                          f"KV cache of {cache.capacity}")
-    model.forward(ids[:8], cache)                      # warm-up: the kernels' first calls
-    cache.reset()
-    ttft, decode = [], []
-    for _ in range(runs):
-        cache.reset()
-        start = time.perf_counter()
-        logits = model.backend.to_numpy(model.forward(ids, cache))
-        token = int(np.argmax(logits[-1]))
-        ttft.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for _ in range(decode_tokens):
-            logits = model.backend.to_numpy(model.forward(np.array([token]), cache))
-            token = int(np.argmax(logits[-1]))
-        decode.append((time.perf_counter() - start) / decode_tokens)
+    ttft, decode = timed_runs(model, cache, ids, decode_tokens, runs)
     step = statistics.median(decode)
     per_token = weight_bytes(model)
     return {
