@@ -10,12 +10,14 @@ from hypothesis.extra.numpy import arrays
 
 from helpers import CORPUS, hf_logits, hf_model, random_weights, rel_err, tiny_config, write_tiny_model
 from tinyrt.converters import convert
-from tinyrt.converters.awq import QuantOptions, linear_mse, output_mse, search_scales
+from tinyrt.converters.awq import (LINEAR_KEYS, NORM_KEYS, QuantOptions, awq_layer, layer_forward,
+                                   linear_mse, output_mse, search_scales)
 from tinyrt.converters.quantize import dequantize, fake_quantize, pack_linear, quantize
 from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import awq_layout, get_backend
 from tinyrt.kernels.reference import int8_rows
 from tinyrt.kv_cache import KVCache
+from tinyrt.models.config import LlamaConfig
 from tinyrt.models import WeightStore, linear_shapes, load_model
 
 DESIGN_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # DESIGN.md: nibble order of the AutoAWQ GEMM layout
@@ -100,6 +102,29 @@ def test_scale_search_never_loses_to_plain_rounding():
     exact = output_mse(lambda W: x @ W[0].T, x @ w.T)
     W2 = [fake_quantize(w * s, 32) / s]
     assert exact(W2) == pytest.approx(loss(W2), rel=1e-3)   # the Gram form is exact
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2, 1])                # GQA ratios 1, 3, 6
+def test_folded_scales_keep_the_float_layer(kv_heads):
+    """Scales folded into norms and producing linears leave the float layer's function unchanged:
+    without clipping, the searched layer computes what the original does, whatever scales the
+    search chose (o_proj's only without GQA, where v_proj can take their inverse)."""
+    from tinyrt.kernels import reference as ops
+    from tinyrt.models.rope import rope_inv_freq
+
+    d = tiny_config(num_key_value_heads=kv_heads)
+    cfg = LlamaConfig.from_dict(d)
+    w = random_weights(d, seed=int(np.random.default_rng().integers(1 << 30)))
+    names = {**LINEAR_KEYS, **NORM_KEYS}
+    L = {k: w[f"model.layers.0.{n}.weight"] for k, n in names.items()}
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 40, cfg.hidden_size)).astype(np.float32)
+    x[..., rng.choice(cfg.hidden_size, 3, replace=False)] *= 20
+    cos, sin = ops.rope_tables(rope_inv_freq(cfg), np.arange(40))
+    scaled = awq_layer(cfg, L, x, cos, sin, QuantOptions(group_size=32, clip=False))
+    assert np.allclose(scaled["o"], L["o"]) == (kv_heads != 6)  # o_proj scaled only without GQA
+    ref = layer_forward(cfg, x, L, cos, sin)
+    assert rel_err(layer_forward(cfg, x, scaled, cos, sin), ref) < 1e-5
 
 
 # -- end to end on tiny models -------------------------------------------------------------------
