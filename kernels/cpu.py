@@ -22,14 +22,29 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import llvmlite.binding
 import numba
 import numpy as np
 from numba import njit, prange
 
 from . import awq_layout, reference
 
+
+def _wide_vectors() -> None:
+    """Let LLVM vectorize with 512-bit registers on CPUs that have AVX-512 (by default it prefers
+    256 bits there): the 4-bit GEMV runs about 1.3x faster with them (benchmarks/cpu_peers.py).
+    Takes effect if no Numba code of this process compiled yet; a NUMBA_CPU_FEATURES that the user
+    set wins. Numba's cache keys machine code by these features."""
+    if numba.config.CPU_FEATURES is None:
+        features = llvmlite.binding.get_host_cpu_features()
+        if features.get("avx512f"):
+            numba.config.CPU_FEATURES = features.flatten() + ",-prefer-256-bit"
+
+
+_wide_vectors()
+
 GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
-PARALLEL_MIN_WORDS = 256  # narrower 4-bit layers (words per row) run their GEMV on one thread
+PARALLEL_MIN_WORDS = 256  # narrower 4-bit layers (words per row) split their groups among threads
 
 
 class Q4Linear(NamedTuple):
@@ -112,14 +127,15 @@ def quantize_int8_rows(w: np.ndarray, block: int = 4096) -> Int8Rows:
 # -- 4-bit linear --------------------------------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
-def _q4_columns(x, w, s, zs, y, c0, c1):
-    """The outputs j * W + c for c in [c0, c1) of y = x @ W.T (planar 4-bit layer)."""
+def _q4_block(x, w, s, zs, y, c0, c1, g0, g1):
+    """Add to y the part of y = x @ W.T (planar 4-bit layer) that the words [c0, c1) of the
+    quantization groups [g0, g1) hold: outputs j * W + c, inputs g0 * g ... g1 * g."""
     n_in, W = w.shape
     g = n_in // s.shape[0]
     n = c1 - c0
     out = np.zeros((8, n), np.float32)
     acc = np.empty((8, n), np.float32)
-    for gi in range(s.shape[0]):
+    for gi in range(g0, g1):
         acc[:] = 0
         xs = np.float32(0)
         for i in range(gi * g, gi * g + g, 4):      # four rows per pass: fewer acc round trips
@@ -147,24 +163,34 @@ def _q4_columns(x, w, s, zs, y, c0, c1):
             for c in range(n):
                 o[c] += sj[c] * (a[c] * f) - zj[c] * xs
     for j in range(8):
-        y[j * W + c0:j * W + c1] = out[j]
+        y[j * W + c0:j * W + c1] += out[j]
+
+
+def gemv_split(w: Q4Linear, threads: int) -> tuple[int, int]:
+    """How a one-token GEMV of w is cut among `threads` tasks: (column chunks, group ranges).
+    Wide layers split their words; narrow ones (short rows, where half a row is too little work
+    per pass) split the input's groups, the partial outputs summed at the end."""
+    if threads <= 1:
+        return 1, 1
+    if w.w.shape[1] >= PARALLEL_MIN_WORDS:
+        return threads, 1
+    return 1, min(threads, w.s.shape[0])
 
 
 @njit(parallel=True, cache=True)
-def q4_gemv(x, w, s, zs, y, nchunk):
-    """y [out] = x [in] @ W.T for a planar 4-bit layer, the words of each row split into
-    `nchunk` column ranges, one per task."""
-    W = w.shape[1]
-    step = (W + nchunk - 1) // nchunk
-    for ch in prange(nchunk):
-        _q4_columns(x, w, s, zs, y, ch * step, min(W, ch * step + step))
-
-
-@njit(cache=True)
-def q4_gemv_serial(x, w, s, zs, y):
-    """q4_gemv on the calling thread: for narrow layers, where waking threads costs more than
-    it saves."""
-    _q4_columns(x, w, s, zs, y, 0, w.shape[1])
+def q4_gemv(x, w, s, zs, y, ncol, nk):
+    """y [out] = x [in] @ W.T for a planar 4-bit layer, in ncol x nk tasks: the words of a row
+    cut into ncol column ranges, the quantization groups into nk ranges (see gemv_split)."""
+    W, G = w.shape[1], s.shape[0]
+    cstep, gstep = (W + ncol - 1) // ncol, (G + nk - 1) // nk
+    parts = np.zeros((nk, y.shape[0]), np.float32)
+    for t in prange(ncol * nk):
+        c, k = t % ncol, t // ncol
+        _q4_block(x, w, s, zs, parts[k], c * cstep, min(W, c * cstep + cstep),
+                  k * gstep, min(G, k * gstep + gstep))
+    y[:] = parts[0]
+    for k in range(1, nk):
+        y += parts[k]
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -298,6 +324,41 @@ def store_kv(k_buf, v_buf, slots, k, v):
                 v_buf[g, s, d] = v[t, g, d]
 
 
+# -- one decoder layer for one token, fused ------------------------------------------------------
+
+@njit(parallel=True, fastmath=True, cache=True)
+def decode_layer(x, in_norm, post_norm, eps,
+                 qkv_w, qkv_s, qkv_zs, qkv_split, o_w, o_s, o_zs, o_split,
+                 gu_w, gu_s, gu_zs, gu_split, d_w, d_s, d_zs, d_split,
+                 k_buf, v_buf, slot, pos, k_pos, cos, sin, n_heads, scale, window):
+    """One token x [H] through one decoder layer of 4-bit linears, in place; its K/V go to `slot`
+    of the cache buffers k_buf, v_buf [G, S, D] (k_pos already holds its position `pos`). The
+    same ops as the decoder (models.llama) runs one by one, in a single call: the per-op costs of
+    a call from Python, which at batch 1 rival the ops themselves, are paid once per layer.
+    *_split: (column chunks, group ranges) of each GEMV (gemv_split)."""
+    G, D = k_buf.shape[0], k_buf.shape[2]
+    Qd, Gd = n_heads * D, G * D
+    h = rmsnorm(x.reshape(1, -1), in_norm, eps)[0]
+    qkv = np.empty(qkv_s.shape[1], np.float32)
+    q4_gemv(h, qkv_w, qkv_s, qkv_zs, qkv, qkv_split[0], qkv_split[1])
+    q = rope(qkv[:Qd].reshape(1, n_heads, D), cos, sin)[0]
+    k = rope(qkv[Qd:Qd + Gd].reshape(1, G, D), cos, sin)[0]
+    for g in range(G):
+        k_buf[g, slot] = k[g]
+        v_buf[g, slot] = qkv[Qd + Gd + g * D:Qd + Gd + g * D + D]
+    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window)
+    y = np.empty(x.shape[0], np.float32)
+    q4_gemv(a.reshape(-1), o_w, o_s, o_zs, y, o_split[0], o_split[1])
+    x += y
+    h = rmsnorm(x.reshape(1, -1), post_norm, eps)
+    gu = np.empty(gu_s.shape[1], np.float32)
+    q4_gemv(h[0], gu_w, gu_s, gu_zs, gu, gu_split[0], gu_split[1])
+    I = gu.shape[0] // 2
+    act = silu_mul(gu[:I].reshape(1, -1), gu[I:].reshape(1, -1))[0]
+    q4_gemv(act, d_w, d_s, d_zs, y, d_split[0], d_split[1])
+    x += y
+
+
 # -- the backend ---------------------------------------------------------------------------------
 
 class CpuBackend(reference.ReferenceBackend):
@@ -347,13 +408,24 @@ class CpuBackend(reference.ReferenceBackend):
         y = np.empty((T, n_out), np.float32)
         for t in range(T):
             if isinstance(w, Q4Linear):
-                if self.threads > 1 and w.w.shape[1] >= PARALLEL_MIN_WORDS:
-                    q4_gemv(x[t], w.w, w.s, w.zs, y[t], self.threads)
-                else:
-                    q4_gemv_serial(x[t], w.w, w.s, w.zs, y[t])
+                q4_gemv(x[t], w.w, w.s, w.zs, y[t], *gemv_split(w, self.threads))
             else:
                 int8_gemv(x[t], w.q, w.s, y[t], self.threads)
         return y
+
+    def fused_decode(self, layer) -> bool:
+        return all(isinstance(w, Q4Linear) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+    def decode_layer(self, x, layer, k_buf, v_buf, slot, pos, k_pos, cos, sin, *, eps, n_heads,
+                     scale, window=None):
+        """One token x [1, H] through a decoder layer (see the kernel decode_layer)."""
+        x = np.array(x, np.float32).reshape(-1)
+        lins = []
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            lins += [w.w, w.s, w.zs, gemv_split(w, self.threads)]
+        decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, k_buf, v_buf,
+                     slot, pos, k_pos, cos, sin, n_heads, np.float32(scale), window or 0)
+        return x[None]
 
     def rmsnorm(self, x, w, eps):
         return rmsnorm(np.ascontiguousarray(x, dtype=np.float32), w, eps)

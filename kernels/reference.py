@@ -131,6 +131,11 @@ class ReferenceBackend:
     def prepare_embedding(self, table: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(table, dtype=np.float32)
 
+    def fused_decode(self, layer) -> bool:
+        """Whether `decode_layer` runs this decoder layer (models.llama.Layer) for one token;
+        a backend with no fused layer says no, and the decoder calls the ops one by one."""
+        return False
+
     embedding = staticmethod(embedding)
     rope_tables = staticmethod(rope_tables)
     rmsnorm = staticmethod(rmsnorm)

@@ -134,12 +134,17 @@ class LlamaModel:
         k_pos = cache.slot_positions()
         x = be.embedding(self.embed, tokens)                               # [T, H]
         for i, L in enumerate(self.layers):
+            k_buf, v_buf = cache.layer(i)
+            if T == 1 and be.fused_decode(L):      # the same ops, in one call (the backend's)
+                x = be.decode_layer(x, L, k_buf, v_buf, int(slots[0]), int(pos[0]), k_pos, cos, sin,
+                                    eps=cfg.rms_norm_eps, n_heads=Q, scale=self.scale,
+                                    window=cfg.sliding_window)
+                continue
             h = be.rmsnorm(x, L.input_norm, cfg.rms_norm_eps)
             qkv = be.linear(h, L.qkv)                                      # [T, (Q+2G)*D]
             q = be.rope(qkv[:, :Q * D].reshape(T, Q, D), cos, sin)
             k = be.rope(qkv[:, Q * D:(Q + G) * D].reshape(T, G, D), cos, sin)
             v = qkv[:, (Q + G) * D:].reshape(T, G, D)
-            k_buf, v_buf = cache.layer(i)
             be.store_kv(k_buf, v_buf, slots, k, v)
             a = be.attention(q, k_buf, v_buf, pos, k_pos, self.scale,
                              cfg.sliding_window)                           # [T, Q, D]

@@ -33,17 +33,22 @@ def test_q4_linear(g, n_in, outs, T):
     assert rel_err(got, ref.linear(x, w)) < 1e-5
 
 
-@pytest.mark.parametrize("nchunk", [1, 2, 3, 7])
-def test_q4_gemv_any_split(nchunk):
+@pytest.mark.parametrize("ncol, nk", [(1, 1), (2, 1), (3, 1), (7, 1), (1, 2), (1, 5), (2, 3), (3, 6)])
+def test_q4_gemv_any_split(ncol, nk):
+    """Any cut of the words and of the groups (6 here) among tasks gives the same product."""
     parts = [packed(192, 120, 32)]
     p = cpu.repack(parts)
     x = rng.standard_normal(192).astype(np.float32)
-    y = np.empty(120, np.float32)
-    cpu.q4_gemv(x, p.w, p.s, p.zs, y, nchunk)
-    want = awq_layout.dequantize(*parts[0]) @ x
-    assert rel_err(y, want) < 1e-5
-    cpu.q4_gemv_serial(x, p.w, p.s, p.zs, y)
-    assert rel_err(y, want) < 1e-5
+    y = np.full(120, np.nan, np.float32)
+    cpu.q4_gemv(x, p.w, p.s, p.zs, y, ncol, nk)
+    assert rel_err(y, awq_layout.dequantize(*parts[0]) @ x) < 1e-5
+
+
+def test_gemv_split():
+    narrow, wide = cpu.repack([packed(192, 120, 32)]), cpu.repack([packed(64, 8 * 256, 32)])
+    assert cpu.gemv_split(narrow, 1) == cpu.gemv_split(wide, 1) == (1, 1)
+    assert cpu.gemv_split(narrow, 2) == (1, 2) and cpu.gemv_split(narrow, 8) == (1, 6)
+    assert cpu.gemv_split(wide, 2) == (2, 1)
 
 
 def test_int8_head():
@@ -121,3 +126,27 @@ def test_tiny_model_cpu_equals_reference(tmp_path, heads, kv_heads):
         a = fast.generate(prompt, max_tokens=24, temperature=0, raw=True)
         b = slow.generate(prompt, max_tokens=24, temperature=0, raw=True)
         assert a == b
+
+
+@pytest.mark.parametrize("heads, kv_heads, window", [(4, 2, None), (8, 8, None), (8, 2, 5)])
+def test_fused_decode_layer_equals_the_ops(tmp_path, heads, kv_heads, window):
+    """One-token decode through the fused layer kernel gives the logits of the ops one by one,
+    step after step (sliding window included)."""
+    from tinyrt.converters import convert
+    from tinyrt.kv_cache import KVCache
+
+    over = dict(model_type="mistral", sliding_window=window) if window else {}
+    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=heads,
+                                                     num_key_value_heads=kv_heads, **over))
+    q = convert(d, tmp_path / "q", method="rtn", group_size=32)
+    fused, ops = tinyrt.LLM(q, device="cpu").model, tinyrt.LLM(q, device="cpu").model
+    ops.backend.fused_decode = lambda layer: False
+    assert fused.backend.fused_decode(fused.layers[0])
+    c = fused.config
+    caches = [KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend) for m in (fused, ops)]
+    ids = rng.integers(0, c.vocab_size, 30)
+    for m, cache in zip((fused, ops), caches):
+        m.forward(ids[:9], cache)
+    for t in ids[9:]:
+        a, b = (m.forward([t], cache) for m, cache in zip((fused, ops), caches))
+        assert rel_err(a, b) < 1e-5
