@@ -114,7 +114,7 @@ def _int8_rows(w, q, s):
             q[r, i] = np.int8(np.round(np.float32(w[r, i]) / scale))
 
 
-def quantize_int8_rows(w: np.ndarray, block: int = 4096) -> Int8Rows:
+def quantize_int8_rows(w: np.ndarray, block: int = 512) -> Int8Rows:
     """reference.int8_rows, compiled: q = round(w / s), s = max|w_row| / 127. Converts `block`
     rows to float32 at a time, so a float16 table is never copied whole."""
     q = np.empty(w.shape, np.int8)

@@ -6,6 +6,8 @@ All activations are float32; weights may be stored as float16 or float32.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from . import awq_layout
@@ -105,8 +107,14 @@ class ReferenceBackend:
     name = "reference"
 
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-        # np.zeros maps untouched pages lazily, so a large cache costs memory only as it fills.
-        return np.zeros(shape, dtype)
+        """A zeroed array whose pages are mapped as they are first written, 4 KiB at a time, so a
+        large cache costs memory only as it fills (numpy would ask for 2 MiB huge pages: the first
+        token written to each head's region of a KV buffer would take 2 MiB)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buf = mmap.mmap(-1, max(nbytes, 1))
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            buf.madvise(mmap.MADV_NOHUGEPAGE)
+        return np.frombuffer(buf, dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
 
     def prepare_linear(self, parts: list) -> np.ndarray:
         """Weights of projections that share an input -> one float32 [sum(out_i), in]. A part is a

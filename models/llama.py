@@ -95,6 +95,9 @@ class LlamaModel:
         self.lm_head = be.prepare_head(w(head), quantized=cfg.quant is not None)
         self.norm = be.prepare_vector(w("model.norm.weight"))
         self.layers = []
+        # the file pages read while preparing each part leave the resident set at once, so that
+        # the peak of a load stays close to what the prepared model holds
+        weights.release()
         for i in range(cfg.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             self.layers.append(Layer(
@@ -105,6 +108,7 @@ class LlamaModel:
                 gate_up=lin(m + "gate_proj", m + "up_proj"),
                 down=lin(m + "down_proj"),
             ))
+            weights.release()
         self.inv_freq = rope_inv_freq(cfg)
         self.scale = cfg.head_dim ** -0.5
 

@@ -10,6 +10,7 @@ package copies every tensor into memory, while a runtime wants pages mapped stra
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -82,6 +83,12 @@ class SafetensorsFile:
 
     def keys(self) -> list[str]:
         return list(self.entries)
+
+    def release(self) -> None:
+        """Drop the file's pages from this process's resident memory (the mapping stays: views
+        read later fault their pages back in, from the OS's file cache)."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map._mmap.madvise(mmap.MADV_DONTNEED)
 
     def dtype(self, name: str) -> str:
         return self.entries[name][0]
@@ -161,6 +168,12 @@ class WeightStore:
         if a.dtype not in (np.float16, np.float32):
             return a.astype(np.float32)
         return a
+
+    def release(self) -> None:
+        """Once the backend has prepared its weights: the file pages read while preparing them
+        leave the resident set; tensors used as stored (an embedding table) page in as read."""
+        for f in self.files:
+            f.release()
 
     @property
     def nbytes(self) -> int:

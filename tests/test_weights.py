@@ -37,6 +37,19 @@ def test_safetensors_files_are_read_without_copies(tmp_path):
     assert isinstance(f.get("a").base, np.ndarray)  # a view into the mapping
 
 
+def test_released_pages_read_back(tmp_path):
+    """release() drops the file's pages from the process; views taken before and after still
+    read the tensors."""
+    arrays = _arrays(np.random.default_rng(3))
+    save_file(arrays, str(tmp_path / "z.safetensors"))
+    f = SafetensorsFile(tmp_path / "z.safetensors")
+    before = {k: f.get(k) for k in arrays}
+    f.release()
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(before[k], v)
+        np.testing.assert_array_equal(f.get(k), v)
+
+
 def test_writer_rejects_a_mismatched_array(tmp_path):
     with pytest.raises(ValueError, match="expected"):
         write_safetensors(tmp_path / "z.safetensors", [("a", np.float32, (2, 2))],
