@@ -9,10 +9,15 @@ multiply-add), with partial sums per quantization group folded into the output o
 
     y[o] = sum_groups  s[g, o] * sum_{i in g} x[i] q[i, o]  -  s[g, o] z[g, o] * sum_{i in g} x[i]
 
+Decode is memory-bound but on two cores this float GEMV is compute-bound (mask, convert,
+multiply-add per weight: measured 10-17 G weights/s per core), so one token runs each decoder
+layer as one fused kernel call (decode_layer) with the GEMVs split among threads by words or, for
+narrow layers, by groups (gemv_split).
+
 Prompts (more than GEMV_MAX_TOKENS tokens) dequantize the layer into a scratch buffer and call BLAS
-through NumPy. The LM head is quantized at load to int8 per row (see prepare_head). Attention over
-the cache in decode, RMSNorm, RoPE and SiLU·mul are Numba loops; prompt attention uses the
-reference (BLAS matmuls).
+through NumPy; prompt attention is blocked BLAS matmuls (attention_prompt). The LM head is
+quantized at load to int8 per row (see prepare_head). Attention over the cache in decode, RMSNorm,
+RoPE and SiLU·mul are Numba loops.
 
 Every kernel compiles with cache=True: the first run of a fresh install compiles them (tens of
 seconds), later runs load machine code from the cache.
@@ -44,6 +49,7 @@ def _wide_vectors() -> None:
 _wide_vectors()
 
 GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
+PROMPT_BLOCK = 128       # queries per block of prompt attention
 PARALLEL_MIN_WORDS = 256  # narrower 4-bit layers (words per row) split their groups among threads
 
 
@@ -193,12 +199,14 @@ def q4_gemv(x, w, s, zs, y, ncol, nk):
         y += parts[k]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def q4_dequantize(w, s, zs, dst):
-    """dst float32 [in, out] = W.T of a planar 4-bit layer."""
+    """dst float32 [in, out] = W.T of a planar 4-bit layer. On one thread, on purpose: BLAS runs
+    next, and OpenMP workers left spinning by a parallel loop would take its cores for
+    milliseconds (measured: a prompt's GEMMs ran 2-4x slower)."""
     n_in, W = w.shape
     g = n_in // s.shape[0]
-    for i in prange(n_in):
+    for i in range(n_in):
         gi = i // g
         for j in range(8):
             shift = 4 * j
@@ -221,9 +229,10 @@ def int8_gemv(x, q, s, y, nchunk):
             y[r] = acc * s[r]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def int8_dequantize(q, s, dst):
-    for r in prange(q.shape[0]):
+    """dst float32 [in, out] = (q * s[:, None]).T, on one thread (see q4_dequantize)."""
+    for r in range(q.shape[0]):
         for i in range(q.shape[1]):
             dst[i, r] = np.float32(q[r, i]) * s[r]
 
@@ -322,6 +331,36 @@ def store_kv(k_buf, v_buf, slots, k, v):
             for d in range(D):
                 k_buf[g, s, d] = k[t, g, d]
                 v_buf[g, s, d] = v[t, g, d]
+
+
+def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, block=PROMPT_BLOCK):
+    """reference.attention for a prompt q [T, Q, D], in blocks of queries: each block's scores
+    [R, block, S] for the R query heads of a KV head stay in the L2 cache through the softmax,
+    slots after the last one a block sees are skipped (with slots in position order, the causal
+    half of the work), and the normalization divides the [.., D] output instead of the [.., S]
+    probabilities. Matmuls by BLAS."""
+    T, Q, D = q.shape
+    G, S = k.shape[0], len(k_pos)
+    R = Q // G
+    out = np.empty((T, Q, D), np.float32)
+    qs = (q * np.float32(scale)).transpose(1, 0, 2)                    # [Q, T, D]
+    for b in range(0, T, block):
+        e = min(T, b + block)
+        visible = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[b:e, None])
+        if window is not None:
+            visible &= (q_pos[b:e, None] - k_pos[None, :]) < window
+        seen = np.flatnonzero(visible.any(axis=0))
+        n = int(seen[-1]) + 1 if len(seen) else S          # slots past n: unseen by the block
+        bias = np.where(visible[:, :n], np.float32(0), np.float32(-np.inf))
+        for g in range(G):
+            s = (qs[g * R:(g + 1) * R, b:e].reshape(-1, D) @ k[g, :n].T).reshape(R, e - b, n)
+            s += bias
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            o = (s.reshape(-1, n) @ v[g, :n]).reshape(R, e - b, D)
+            o /= s.sum(axis=-1)[..., None]
+            out[b:e, g * R:(g + 1) * R] = o.transpose(1, 0, 2)
+    return out
 
 
 # -- one decoder layer for one token, fused ------------------------------------------------------
@@ -434,13 +473,17 @@ class CpuBackend(reference.ReferenceBackend):
         return rope(x, cos, sin)
 
     def silu_mul(self, gate, up):
-        return silu_mul(gate, up)
+        # a prompt's many rows: NumPy's vectorized exp is twice as fast as a Numba loop without
+        # a vector math library; one token: the Numba loop, without NumPy's per-call costs
+        return silu_mul(gate, up) if gate.shape[0] == 1 else reference.silu_mul(gate, up)
 
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None):
         if q.ndim == 3 and q.shape[0] == 1:
             out = attention_decode(q[0], k, v, int(q_pos[0]), k_pos, np.float32(scale),
                                    window or 0)
             return out[None]
+        if q.ndim == 3:
+            return attention_prompt(q, k, v, q_pos, k_pos, scale, window)
         return reference.attention(q, k, v, q_pos, k_pos, scale, window)
 
     def store_kv(self, k_buf, v_buf, slots, k, v):

@@ -96,6 +96,28 @@ def test_attention_decode(ratio, S, window):
     np.testing.assert_allclose(got, ref.attention(q, k, v, q_pos, k_pos, 0.2, window), atol=1e-5)
 
 
+@pytest.mark.parametrize("ratio", [1, 3, 4, 8])
+@pytest.mark.parametrize("T, past, block", [(7, 0, 3), (130, 9, 128), (5, 40, 2)])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_attention_prompt(ratio, T, past, block, window, ordered):
+    """Blocked prompt attention = the reference, over caches in position order (the causal skip)
+    and in ring order with free slots; buffers larger than the slots read."""
+    G, D = 2, 16
+    S = past + T
+    q = rng.standard_normal((T, G * ratio, D)).astype(np.float32)
+    k, v = (rng.standard_normal((G, S + 4, D)).astype(np.float32) for _ in range(2))
+    k_pos = np.arange(S) if ordered else rng.permutation(S)
+    if not ordered:
+        k_pos[rng.random(S) < 0.2] = -1
+    q_pos = np.arange(past, S)
+    if not ordered:                                    # each query's own key is in the cache
+        k_pos[rng.choice(S, T, replace=False)] = q_pos
+    want = ref.attention(q, k, v, q_pos, k_pos, 0.3, window)
+    np.testing.assert_allclose(cpu.attention_prompt(q, k, v, q_pos, k_pos, 0.3, window, block),
+                               want, atol=1e-5)
+
+
 def test_store_kv():
     k_buf, v_buf = np.zeros((3, 10, 8), np.float32), np.zeros((3, 10, 8), np.float32)
     k, v = rng.standard_normal((4, 3, 8)).astype(np.float32), rng.standard_normal((4, 3, 8)).astype(np.float32)
