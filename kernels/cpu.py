@@ -37,7 +37,8 @@ from . import awq_layout, reference
 
 def _wide_vectors() -> None:
     """Let LLVM vectorize with 512-bit registers on CPUs that have AVX-512 (by default it prefers
-    256 bits there): the 4-bit GEMV runs about 1.3x faster with them (benchmarks/cpu_peers.py).
+    256 bits there): one layer's 4-bit GEMVs measured 1.02-1.11x faster with them, medians of 5
+    alternated processes (benchmarks/cpu_kernels.py).
     Takes effect if no Numba code of this process compiled yet; a NUMBA_CPU_FEATURES that the user
     set wins. Numba's cache keys machine code by these features."""
     if numba.config.CPU_FEATURES is None:

@@ -110,11 +110,11 @@ class ReferenceBackend:
         """A zeroed array whose pages are mapped as they are first written, 4 KiB at a time, so a
         large cache costs memory only as it fills (numpy would ask for 2 MiB huge pages: the first
         token written to each head's region of a KV buffer would take 2 MiB)."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        buf = mmap.mmap(-1, max(nbytes, 1))
+        count = int(np.prod(shape, dtype=np.int64))
+        buf = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1))
         if hasattr(mmap, "MADV_NOHUGEPAGE"):
             buf.madvise(mmap.MADV_NOHUGEPAGE)
-        return np.frombuffer(buf, dtype, count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
+        return np.frombuffer(buf, dtype, count=count).reshape(shape)
 
     def prepare_linear(self, parts: list) -> np.ndarray:
         """Weights of projections that share an input -> one float32 [sum(out_i), in]. A part is a

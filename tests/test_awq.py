@@ -112,12 +112,11 @@ def test_folded_scales_keep_the_float_layer(kv_heads):
     from tinyrt.kernels import reference as ops
     from tinyrt.models.rope import rope_inv_freq
 
+    rng = np.random.default_rng()
     d = tiny_config(num_key_value_heads=kv_heads)
     cfg = LlamaConfig.from_dict(d)
-    w = random_weights(d, seed=int(np.random.default_rng().integers(1 << 30)))
-    names = {**LINEAR_KEYS, **NORM_KEYS}
-    L = {k: w[f"model.layers.0.{n}.weight"] for k, n in names.items()}
-    rng = np.random.default_rng()
+    w = random_weights(d, seed=int(rng.integers(1 << 30)))
+    L = {k: w[f"model.layers.0.{n}.weight"] for k, n in {**LINEAR_KEYS, **NORM_KEYS}.items()}
     x = rng.standard_normal((2, 40, cfg.hidden_size)).astype(np.float32)
     x[..., rng.choice(cfg.hidden_size, 3, replace=False)] *= 20
     cos, sin = ops.rope_tables(rope_inv_freq(cfg), np.arange(40))

@@ -5,8 +5,10 @@ import pytest
 
 import tinyrt
 from helpers import rel_err, tiny_config, write_tiny_model
+from tinyrt.converters import convert
 from tinyrt.kernels import awq_layout, cpu, get_backend
 from tinyrt.kernels import reference as ref
+from tinyrt.kv_cache import KVCache
 
 rng = np.random.default_rng()
 
@@ -135,14 +137,16 @@ def test_dispatch():
         get_backend("tpu")
 
 
+def tiny_models(tmp_path, heads, kv_heads, **over):
+    """A tiny float model directory and its 4-bit (RTN, group 32) conversion."""
+    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=heads,
+                                                     num_key_value_heads=kv_heads, **over))
+    return d, convert(d, tmp_path / "q", method="rtn", group_size=32)
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 8), (8, 1)])
 def test_tiny_model_cpu_equals_reference(tmp_path, heads, kv_heads):
-    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=heads,
-                                                     num_key_value_heads=kv_heads))
-    from tinyrt.converters import convert
-
-    q = convert(d, tmp_path / "q", method="rtn", group_size=32)
-    for model in (d, q):
+    for model in tiny_models(tmp_path, heads, kv_heads):
         fast, slow = tinyrt.LLM(model, device="cpu"), tinyrt.LLM(model, device="reference")
         prompt = "hello there, " * 5
         a = fast.generate(prompt, max_tokens=24, temperature=0, raw=True)
@@ -154,13 +158,8 @@ def test_tiny_model_cpu_equals_reference(tmp_path, heads, kv_heads):
 def test_fused_decode_layer_equals_the_ops(tmp_path, heads, kv_heads, window):
     """One-token decode through the fused layer kernel gives the logits of the ops one by one,
     step after step (sliding window included)."""
-    from tinyrt.converters import convert
-    from tinyrt.kv_cache import KVCache
-
     over = dict(model_type="mistral", sliding_window=window) if window else {}
-    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=128, intermediate_size=192, num_attention_heads=heads,
-                                                     num_key_value_heads=kv_heads, **over))
-    q = convert(d, tmp_path / "q", method="rtn", group_size=32)
+    _, q = tiny_models(tmp_path, heads, kv_heads, **over)
     fused, ops = tinyrt.LLM(q, device="cpu").model, tinyrt.LLM(q, device="cpu").model
     ops.backend.fused_decode = lambda layer: False
     assert fused.backend.fused_decode(fused.layers[0])

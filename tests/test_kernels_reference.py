@@ -1,5 +1,7 @@
 """The NumPy reference ops against independent torch formulations (as HF writes them)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -91,7 +93,7 @@ def _rss_kib() -> int:
         return int(f.read().split("VmRSS:")[1].split()[0])
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 def test_cache_buffers_cost_memory_only_where_written():
     """A KV-cache-sized buffer (30 layers x 3 heads x 4096 slots x 64, 94 MB) with one token
     written per layer and head costs a few pages per region, not a 2 MB huge page each."""
