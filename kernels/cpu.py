@@ -10,7 +10,7 @@ multiply-add), with partial sums per quantization group folded into the output o
     y[o] = sum_groups  s[g, o] * sum_{i in g} x[i] q[i, o]  -  s[g, o] z[g, o] * sum_{i in g} x[i]
 
 On two cores this float GEMV is compute-bound rather than memory-bound (mask, convert,
-multiply-add per weight: measured 10-17 G weights/s per core). One token runs each decoder layer
+multiply-add per weight: 10-15 G weights/s on two threads, benchmarks/cpu_kernels.py). One token runs each decoder layer
 as one fused kernel call (decode_layer), its GEMVs split among threads by words or, for narrow
 layers, by groups (gemv_split).
 
@@ -204,7 +204,7 @@ def q4_gemv(x, w, s, zs, y, ncol, nk):
 def q4_dequantize(w, s, zs, dst):
     """dst float32 [in, out] = W.T of a planar 4-bit layer. On one thread, on purpose: BLAS runs
     next, and OpenMP workers left spinning by a parallel loop would take its cores for
-    milliseconds (measured: a prompt's GEMMs ran 2-4x slower)."""
+    milliseconds, slowing every prompt GEMM several times over."""
     n_in, W = w.shape
     g = n_in // s.shape[0]
     for i in range(n_in):
@@ -374,7 +374,7 @@ def decode_layer(x, in_norm, post_norm, eps,
     """One token x [H] through one decoder layer of 4-bit linears, in place; its K/V go to `slot`
     of the cache buffers k_buf, v_buf [G, S, D] (k_pos already holds its position `pos`). The
     same ops as the decoder (models.llama) runs one by one, in a single call, so the costs of a
-    call from Python are paid once per layer (measured: about 5 % of a decoded token).
+    call from Python are paid once per layer.
     *_split: (column chunks, group ranges) of each GEMV (gemv_split)."""
     G, D = k_buf.shape[0], k_buf.shape[2]
     Qd, Gd = n_heads * D, G * D
