@@ -32,12 +32,11 @@ def child(args) -> dict:
         n_out, n_in = ws[0].shape
         x = np.random.default_rng(0).standard_normal(n_in).astype(np.float32)
         y = np.empty(n_out, np.float32)
-        split = cpu.gemv_split(ws[0], be.threads)
         times = []
         for _ in range(args.reps):
             start = time.perf_counter()
             for w in ws:
-                cpu.q4_gemv(x, w.w, w.s, w.zs, y, *split)
+                cpu.q4_gemv(x, w.w, w.s, w.zs, y, be.threads)
             times.append((time.perf_counter() - start) / len(ws))
         xp = np.random.default_rng(1).standard_normal((args.tokens, n_in)).astype(np.float32)
         be.linear(xp, ws[0])
@@ -47,7 +46,7 @@ def child(args) -> dict:
             be.linear(xp, ws[0])
             prompt.append(time.perf_counter() - start)
         gemv = statistics.median(times)
-        rows[name] = {"shape": [n_out, n_in], "split": list(split), "gemv_us": gemv * 1e6,
+        rows[name] = {"shape": [n_out, n_in], "gemv_us": gemv * 1e6,
                       "gw_s": n_out * n_in / gemv / 1e9, "prompt_ms": statistics.median(prompt) * 1e3}
     return rows
 
@@ -81,14 +80,14 @@ def main() -> None:
             for label, rs in rounds.items()}
     print(f"{args.threads} threads; one token: median over {args.reps} passes of all layers; "
           f"prompt: {args.tokens} tokens; medians of {args.rounds} processes each")
-    print(f"{'linear':9s} {'out x in':>11s} {'split':>6s} {'GEMV us':>16s} {'G w/s':>12s} "
+    print(f"{'linear':9s} {'out x in':>11s} {'GEMV us':>16s} {'G w/s':>12s} "
           f"{'prompt ms':>14s}   (512-bit / 256-bit)")
     total = {label: 0.0 for label in runs}
     for name in NAMES:
         a, b = runs["512-bit"][name], runs["256-bit"][name]
         total["512-bit"] += a["gemv_us"]
         total["256-bit"] += b["gemv_us"]
-        print(f"{name:9s} {a['shape'][0]:5d}x{a['shape'][1]:<5d} {str(tuple(a['split'])):>6s} "
+        print(f"{name:9s} {a['shape'][0]:5d}x{a['shape'][1]:<5d} "
               f"{a['gemv_us']:7.1f} /{b['gemv_us']:7.1f} {a['gw_s']:5.1f} /{b['gw_s']:5.1f} "
               f"{a['prompt_ms']:6.2f} /{b['prompt_ms']:6.2f}")
     print(f"one layer's GEMVs: {total['512-bit']:.0f} us with 512-bit vectors, "

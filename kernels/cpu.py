@@ -25,6 +25,7 @@ seconds), later runs load machine code from the cache.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import llvmlite.binding
@@ -32,7 +33,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from . import awq_layout, reference
+from . import awq_layout, reference, simd
 
 
 def _wide_vectors() -> None:
@@ -51,19 +52,19 @@ _wide_vectors()
 
 GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
 PROMPT_BLOCK = 128       # queries per block of prompt attention
-PARALLEL_MIN_WORDS = 256  # narrower 4-bit layers (words per row) split their groups among threads
+X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
 
 
 class Q4Linear(NamedTuple):
-    """A 4-bit linear layer in the planar layout."""
+    """A 4-bit linear layer in the pair-planar layout (see simd)."""
 
-    w: np.ndarray        # int32 [in, W]: nibble j of word c = output j * W + c
+    w: np.ndarray        # int32 [in/8, out]: the codes of output o for inputs 8r .. 8r+7 in w[r, o]
     s: np.ndarray        # float32 [in/g, out]: scales
     zs: np.ndarray       # float32 [in/g, out]: zero point x scale
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.s.shape[1], self.w.shape[0]          # (out, in), as a float weight
+        return self.s.shape[1], 8 * self.w.shape[0]      # (out, in), as a float weight
 
 
 class Int8Rows(NamedTuple):
@@ -76,33 +77,35 @@ class Int8Rows(NamedTuple):
 # -- repacking, once at load ---------------------------------------------------------------------
 
 @njit(parallel=True, cache=True)
-def _repack_planar(src, col0, W, dst):
+def _repack_pairs(src, col0, dst):
     """Add a packed AutoAWQ part src int32 [in, out_p/8] whose outputs start at col0 into the
-    planar dst int32 [in, W]."""
+    pair-planar dst int32 [in/8, out]."""
     rows, words = src.shape
-    for i in prange(rows):
-        for c in range(words):
-            word = np.uint32(src[i, c])
-            for k in range(8):
-                code = (word >> np.uint32(4 * k)) & np.uint32(15)
-                o = col0 + 8 * c + (2 * k if k < 4 else 2 * k - 7)   # ORDER[k]
-                j, cc = o // W, o % W
-                dst[i, cc] = np.int32(np.uint32(dst[i, cc]) | (code << np.uint32(4 * j)))
+    for r in prange(rows // 8):
+        for t in range(8):
+            shift = np.uint32(4 * (t // 2) + 16 * (t % 2))     # input 8r + t's place in a word
+            for c in range(words):
+                word = np.uint32(src[8 * r + t, c])
+                for k in range(8):
+                    code = (word >> np.uint32(4 * k)) & np.uint32(15)
+                    o = col0 + 8 * c + (2 * k if k < 4 else 2 * k - 7)   # awq_layout.ORDER[k]
+                    dst[r, o] = np.int32(np.uint32(dst[r, o]) | (code << shift))
 
 
 def repack(parts: list) -> Q4Linear:
-    """AutoAWQ parts (QuantizedLinear) that share an input -> one planar Q4Linear."""
+    """AutoAWQ parts (QuantizedLinear) that share an input -> one pair-planar Q4Linear."""
     rows = parts[0].qweight.shape[0]
     groups = parts[0].scales.shape[0]
     for p in parts:
         if p.qweight.shape[0] != rows or p.scales.shape[0] != groups:
             raise ValueError("fused 4-bit parts must share input size and group size")
+    if (rows // groups) % 8:
+        raise ValueError(f"group size {rows // groups} is not a multiple of 8")
     out = sum(p.scales.shape[1] for p in parts)
-    W = out // awq_layout.PACK
-    w = np.zeros((rows, W), np.int32)
+    w = np.zeros((rows // 8, out), np.int32)
     col = 0
     for p in parts:
-        _repack_planar(np.ascontiguousarray(p.qweight), col, W, w)
+        _repack_pairs(np.ascontiguousarray(p.qweight), col, w)
         col += p.scales.shape[1]
     s = np.concatenate([p.scales.astype(np.float32) for p in parts], axis=1)
     z = np.concatenate([awq_layout.unpack(p.qzeros) for p in parts], axis=1)
@@ -134,86 +137,89 @@ def quantize_int8_rows(w: np.ndarray, block: int = 512) -> Int8Rows:
 # -- 4-bit linear --------------------------------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
-def _q4_block(x, w, s, zs, y, c0, c1, g0, g1):
-    """Add to y the part of y = x @ W.T (planar 4-bit layer) that the words [c0, c1) of the
-    quantization groups [g0, g1) hold: outputs j * W + c, inputs g0 * g ... g1 * g."""
-    n_in, W = w.shape
-    g = n_in // s.shape[0]
-    n = c1 - c0
-    out = np.zeros((8, n), np.float32)
-    acc = np.empty((8, n), np.float32)
-    for gi in range(g0, g1):
-        acc[:] = 0
-        xs = np.float32(0)
-        for i in range(gi * g, gi * g + g, 4):      # four rows per pass: fewer acc round trips
-            x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-            xs += x0 + x1 + x2 + x3
-            r0, r1, r2, r3 = w[i, c0:c1], w[i + 1, c0:c1], w[i + 2, c0:c1], w[i + 3, c0:c1]
-            for j in range(7):
-                # nibble j masked in place reads as q * 16^j: exact in float32; the 16^-j is
-                # applied once per group
-                m = np.int32(15 << (4 * j))
-                a = acc[j]
-                for c in range(n):
-                    a[c] += (x0 * np.float32(r0[c] & m) + x1 * np.float32(r1[c] & m)
-                             + x2 * np.float32(r2[c] & m) + x3 * np.float32(r3[c] & m))
-            a = acc[7]
-            for c in range(n):
-                a[c] += (x0 * np.float32((r0[c] >> 28) & 15) + x1 * np.float32((r1[c] >> 28) & 15)
-                         + x2 * np.float32((r2[c] >> 28) & 15) + x3 * np.float32((r3[c] >> 28) & 15))
-        for j in range(8):
-            f = np.float32(16.0 ** -j) if j < 7 else np.float32(1)
-            sj = s[gi, j * W + c0:j * W + c1]
-            zj = zs[gi, j * W + c0:j * W + c1]
-            o = out[j]
-            a = acc[j]
-            for c in range(n):
-                o[c] += sj[c] * (a[c] * f) - zj[c] * xs
-    for j in range(8):
-        y[j * W + c0:j * W + c1] += out[j]
+def quantize_pairs(x, block, xp, sx, xsum):
+    """x float32 [in] -> int16 activations in pairs, xp int32 [in/2] (input 2p in the low half of
+    xp[p], 2p + 1 in the high half), with one scale per block of `block` inputs, sx [in/block]
+    = max|x| / 32767, and the sums of the quantized blocks, xsum = sx * sum(x_q)."""
+    for b in range(x.shape[0] // block):
+        m = np.float32(0)
+        for i in range(b * block, b * block + block):
+            m = max(m, abs(x[i]))
+        scale = m / np.float32(32767) if m > 0 else np.float32(1)
+        inv = np.float32(1) / scale
+        total = 0
+        for i in range(b * block, b * block + block, 2):
+            lo = min(32767, max(-32767, np.int32(np.round(x[i] * inv))))
+            hi = min(32767, max(-32767, np.int32(np.round(x[i + 1] * inv))))
+            xp[i // 2] = np.int32((lo & 0xFFFF) | (hi << 16))
+            total += lo + hi
+        sx[b] = scale
+        xsum[b] = np.float32(total) * scale
 
 
-def gemv_split(w: Q4Linear, threads: int) -> tuple[int, int]:
-    """How a one-token GEMV of w is cut among `threads` tasks: (column chunks, group ranges).
-    Wide layers split their words; narrow ones (short rows, where half a row is too little work
-    per pass) split the input's groups, the partial outputs summed at the end."""
-    if threads <= 1:
-        return 1, 1
-    if w.w.shape[1] >= PARALLEL_MIN_WORDS:
-        return threads, 1
-    return 1, min(threads, w.s.shape[0])
+@njit(fastmath=True, cache=True)
+def _q4_cols(xp, sx, xsum, w, s, zs, y, c0, c1):
+    """y[c0:c1]: outputs c0 .. c1-1 of the GEMV of a pair-planar layer with activations from
+    quantize_pairs. Per activation block b (in one quantization group gi):
+        y[o] += s[gi, o] * sx[b] * (integer dot of codes and x_q)  -  zs[gi, o] * xsum[b]"""
+    n_blocks, groups = sx.shape[0], s.shape[0]
+    rows = w.shape[0] // n_blocks                   # word rows per block
+    per_group = n_blocks // groups
+    cv = c0 + (c1 - c0) // simd.LANES * simd.LANES    # vector part [c0, cv), tail [cv, c1)
+    dots = np.empty(c1 - c0, np.int32)
+    out = np.zeros(c1 - c0, np.float32)
+    for b in range(n_blocks):
+        r0, gi = b * rows, b // per_group
+        simd.pair_dot(w, r0, r0 + rows, c0, cv, xp, dots)
+        for c in range(cv, c1):                     # the same sum, one output at a time
+            acc = 0
+            for r in range(r0, r0 + rows):
+                word = np.int64(w[r, c])
+                for m in range(4):
+                    pair = np.int64(xp[4 * r + m])
+                    codes = word >> (4 * m)
+                    acc += (codes & 15) * (((pair & 0xFFFF) ^ 0x8000) - 0x8000)
+                    acc += ((codes >> 16) & 15) * (pair >> 16)
+            dots[c - c0] = acc
+        f, xs = sx[b], xsum[b]
+        for c in range(c0, c1):
+            out[c - c0] += s[gi, c] * (f * np.float32(dots[c - c0])) - zs[gi, c] * xs
+    y[c0:c1] = out
 
 
 @njit(parallel=True, cache=True)
-def q4_gemv(x, w, s, zs, y, ncol, nk):
-    """y [out] = x [in] @ W.T for a planar 4-bit layer, in ncol x nk tasks: the words of a row
-    cut into ncol column ranges, the quantization groups into nk ranges (see gemv_split)."""
-    W, G = w.shape[1], s.shape[0]
-    cstep, gstep = (W + ncol - 1) // ncol, (G + nk - 1) // nk
-    parts = np.zeros((nk, y.shape[0]), np.float32)
-    for t in prange(ncol * nk):
-        c, k = t % ncol, t // ncol
-        _q4_block(x, w, s, zs, parts[k], c * cstep, min(W, c * cstep + cstep),
-                  k * gstep, min(G, k * gstep + gstep))
-    y[:] = parts[0]
-    for k in range(1, nk):
-        y += parts[k]
+def q4_gemv(x, w, s, zs, y, threads):
+    """y [out] = x [in] @ W.T for a pair-planar 4-bit layer. The activations are quantized to
+    int16 in blocks of at most X_BLOCK inputs (a block never spans two quantization groups: its
+    size divides the group size), so the inner loop is integer pairwise multiply-adds (simd);
+    `threads` tasks take ranges of outputs."""
+    n_in, n_out = 8 * w.shape[0], w.shape[1]
+    block = math.gcd(n_in // s.shape[0], X_BLOCK)
+    xp = np.empty(n_in // 2, np.int32)
+    sx = np.empty(n_in // block, np.float32)
+    xsum = np.empty(n_in // block, np.float32)
+    quantize_pairs(x, block, xp, sx, xsum)
+    n_vec = (n_out + simd.LANES - 1) // simd.LANES
+    tasks = max(1, min(threads, n_vec))
+    step = (n_vec + tasks - 1) // tasks * simd.LANES
+    for t in prange(tasks):
+        _q4_cols(xp, sx, xsum, w, s, zs, y, t * step, min(n_out, t * step + step))
 
 
 @njit(fastmath=True, cache=True)
 def q4_dequantize(w, s, zs, dst):
-    """dst float32 [in, out] = W.T of a planar 4-bit layer. On one thread, on purpose: BLAS runs
-    next, and OpenMP workers left spinning by a parallel loop would take its cores for
+    """dst float32 [in, out] = W.T of a pair-planar 4-bit layer. On one thread, on purpose: BLAS
+    runs next, and OpenMP workers left spinning by a parallel loop would take its cores for
     milliseconds, slowing every prompt GEMM several times over."""
-    n_in, W = w.shape
-    g = n_in // s.shape[0]
-    for i in range(n_in):
-        gi = i // g
-        for j in range(8):
-            shift = 4 * j
-            for c in range(W):
-                o = j * W + c
-                dst[i, o] = np.float32((w[i, c] >> shift) & 15) * s[gi, o] - zs[gi, o]
+    n_out = w.shape[1]
+    g = 8 * w.shape[0] // s.shape[0]
+    for r in range(w.shape[0]):
+        for t in range(8):
+            i = 8 * r + t
+            gi = i // g
+            shift = 4 * (t // 2) + 16 * (t % 2)
+            for o in range(n_out):
+                dst[i, o] = np.float32((w[r, o] >> shift) & 15) * s[gi, o] - zs[gi, o]
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -239,6 +245,28 @@ def int8_dequantize(q, s, dst):
 
 
 # -- the small ops --------------------------------------------------------------------------------
+
+@njit(fastmath=True, cache=True, inline="always")
+def exp(x):
+    """e**x for float32 x, within 2 float32 ulps, in arithmetic that LLVM vectorizes (a loop
+    calling np.exp makes one libm call per element): e**x = 2**n * e**f with n = round(x / ln 2)
+    and |f| <= ln(2) / 2, e**f by its Taylor polynomial to degree 7. exp(-inf) = 0; inputs
+    above 88 give e**88 (no inf)."""
+    x = min(x, np.float32(88.0))
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    f = (x - n * np.float32(0.693145751953125)) - n * np.float32(1.4286068203094173e-06)
+    p = np.float32(1 / 5040)
+    p = p * f + np.float32(1 / 720)
+    p = p * f + np.float32(1 / 120)
+    p = p * f + np.float32(1 / 24)
+    p = p * f + np.float32(1 / 6)
+    p = p * f + np.float32(0.5)
+    p = p * f + np.float32(1)
+    p = p * f + np.float32(1)
+    if x < np.float32(-87.3):                       # below float32's normal range (and -inf)
+        return np.float32(0)
+    return p * simd.float_from_bits(np.int32((np.int32(n) + 127) << 23))
+
 
 @njit(fastmath=True, cache=True)
 def rmsnorm(x, w, eps):
@@ -279,46 +307,92 @@ def silu_mul(gate, up):
     for t in range(T):
         for i in range(I):
             g = gate[t, i]
-            y[t, i] = g / (np.float32(1) + np.exp(-g)) * up[t, i]
+            y[t, i] = g / (np.float32(1) + exp(-g)) * up[t, i]
     return y
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def attention_decode(q, k, v, q_pos, k_pos, scale, window):
-    """One query per head over the cache: q [Q, D]; k, v [G, S', D] whole cache buffers of which
-    the first len(k_pos) slots are read; k_pos -1 = free slot; window <= 0 means none.
-    Returns [Q, D]."""
+ATTENTION_MIN_SLOTS = 128   # fewest cache slots per task of decode attention
+
+
+@njit(fastmath=True, cache=True)
+def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, total):
+    """Softmax attention of one query per head q [Q, D] over the cache slots [s0, s1), not yet
+    normalized: per head, top = the largest score, total = sum of e**(score - top), and
+    out [Q, D] = sum of e**(score - top) * v. The R query heads of a KV head read its K and V
+    rows together."""
     Q, D = q.shape
-    G, S = k.shape[0], k_pos.shape[0]
+    G = k.shape[0]
     R = Q // G
-    out = np.zeros((Q, D), np.float32)
-    for h in prange(Q):
-        kg, vg, qh, oh = k[h // R], v[h // R], q[h], out[h]
-        scores = np.empty(S, np.float32)
-        m = np.float32(-np.inf)
-        for s in range(S):
+    n = s1 - s0
+    scores = np.empty((R, n), np.float32)
+    for g in range(G):
+        kg, vg = k[g], v[g]
+        for s in range(s0, s1):
             p = k_pos[s]
             if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
-                scores[s] = -np.inf
+                scores[:, s - s0] = -np.inf
                 continue
             row = kg[s]
-            acc = np.float32(0)
-            for d in range(D):
-                acc += qh[d] * row[d]
-            scores[s] = acc * scale
-            m = max(m, scores[s])
-        total = np.float32(0)
-        for s in range(S):
-            e = np.exp(scores[s] - m)          # exp(-inf) = 0 for masked slots
-            scores[s] = e
-            total += e
-        inv = np.float32(1) / total
-        for s in range(S):
-            if scores[s] != 0:
-                p = scores[s] * inv
-                row = vg[s]
+            for r in range(R):
+                qr = q[g * R + r]
+                acc = np.float32(0)
                 for d in range(D):
-                    oh[d] += p * row[d]
+                    acc += qr[d] * row[d]
+                scores[r, s - s0] = acc * scale
+        for r in range(R):
+            h, sr = g * R + r, scores[r]
+            m = np.float32(-np.inf)
+            for i in range(n):
+                m = max(m, sr[i])
+            top[h] = m
+            if m == -np.inf:                 # no visible slot here
+                total[h] = 0
+                sr[:] = 0
+                continue
+            t = np.float32(0)
+            for i in range(n):
+                sr[i] = exp(sr[i] - m)
+                t += sr[i]
+            total[h] = t
+        for s in range(s0, s1):
+            if k_pos[s] < 0:
+                continue
+            row = vg[s]
+            for r in range(R):
+                e = scores[r, s - s0]
+                o = out[g * R + r]
+                for d in range(D):
+                    o[d] += e * row[d]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads):
+    """One query per head over the cache: q [Q, D]; k, v [G, S', D] whole cache buffers of which
+    the first len(k_pos) slots are read; k_pos -1 = free slot; window <= 0 means none.
+    Returns [Q, D]. Up to `threads` tasks each take a range of slots for all heads (so every K/V
+    row is read once); their partial softmaxes are merged at the end."""
+    Q, D = q.shape
+    S = k_pos.shape[0]
+    tasks = max(1, min(threads, S // ATTENTION_MIN_SLOTS))
+    step = (S + tasks - 1) // tasks
+    outs = np.zeros((tasks, Q, D), np.float32)
+    tops = np.empty((tasks, Q), np.float32)
+    totals = np.empty((tasks, Q), np.float32)
+    for t in prange(tasks):
+        _attention_slots(q, k, v, q_pos, k_pos, scale, window, t * step, min(S, t * step + step),
+                         outs[t], tops[t], totals[t])
+    out = np.zeros((Q, D), np.float32)
+    for h in range(Q):
+        m = np.float32(-np.inf)
+        for t in range(tasks):
+            m = max(m, tops[t, h])
+        denom = np.float32(0)
+        for t in range(tasks):
+            if totals[t, h] > 0:
+                f = exp(tops[t, h] - m)
+                denom += f * totals[t, h]
+                out[h] += f * outs[t, h]
+        out[h] /= denom
     return out
 
 
@@ -368,34 +442,32 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, block=PROMPT_BLO
 
 @njit(parallel=True, fastmath=True, cache=True)
 def decode_layer(x, in_norm, post_norm, eps,
-                 qkv_w, qkv_s, qkv_zs, qkv_split, o_w, o_s, o_zs, o_split,
-                 gu_w, gu_s, gu_zs, gu_split, d_w, d_s, d_zs, d_split,
-                 k_buf, v_buf, slot, pos, k_pos, cos, sin, n_heads, scale, window):
+                 qkv_w, qkv_s, qkv_zs, o_w, o_s, o_zs, gu_w, gu_s, gu_zs, d_w, d_s, d_zs,
+                 k_buf, v_buf, slot, pos, k_pos, cos, sin, n_heads, scale, window, threads):
     """One token x [H] through one decoder layer of 4-bit linears, in place; its K/V go to `slot`
     of the cache buffers k_buf, v_buf [G, S, D] (k_pos already holds its position `pos`). The
     same ops as the decoder (models.llama) runs one by one, in a single call, so the costs of a
-    call from Python are paid once per layer.
-    *_split: (column chunks, group ranges) of each GEMV (gemv_split)."""
+    call from Python are paid once per layer."""
     G, D = k_buf.shape[0], k_buf.shape[2]
     Qd, Gd = n_heads * D, G * D
     h = rmsnorm(x.reshape(1, -1), in_norm, eps)[0]
     qkv = np.empty(qkv_s.shape[1], np.float32)
-    q4_gemv(h, qkv_w, qkv_s, qkv_zs, qkv, qkv_split[0], qkv_split[1])
+    q4_gemv(h, qkv_w, qkv_s, qkv_zs, qkv, threads)
     q = rope(qkv[:Qd].reshape(1, n_heads, D), cos, sin)[0]
     k = rope(qkv[Qd:Qd + Gd].reshape(1, G, D), cos, sin)[0]
     for g in range(G):
         k_buf[g, slot] = k[g]
         v_buf[g, slot] = qkv[Qd + Gd + g * D:Qd + Gd + g * D + D]
-    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window)
+    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads)
     y = np.empty(x.shape[0], np.float32)
-    q4_gemv(a.reshape(-1), o_w, o_s, o_zs, y, o_split[0], o_split[1])
+    q4_gemv(a.reshape(-1), o_w, o_s, o_zs, y, threads)
     x += y
     h = rmsnorm(x.reshape(1, -1), post_norm, eps)
     gu = np.empty(gu_s.shape[1], np.float32)
-    q4_gemv(h[0], gu_w, gu_s, gu_zs, gu, gu_split[0], gu_split[1])
+    q4_gemv(h[0], gu_w, gu_s, gu_zs, gu, threads)
     I = gu.shape[0] // 2
     act = silu_mul(gu[:I].reshape(1, -1), gu[I:].reshape(1, -1))[0]
-    q4_gemv(act, d_w, d_s, d_zs, y, d_split[0], d_split[1])
+    q4_gemv(act, d_w, d_s, d_zs, y, threads)
     x += y
 
 
@@ -448,7 +520,7 @@ class CpuBackend(reference.ReferenceBackend):
         y = np.empty((T, n_out), np.float32)
         for t in range(T):
             if isinstance(w, Q4Linear):
-                q4_gemv(x[t], w.w, w.s, w.zs, y[t], *gemv_split(w, self.threads))
+                q4_gemv(x[t], w.w, w.s, w.zs, y[t], self.threads)
             else:
                 int8_gemv(x[t], w.q, w.s, y[t], self.threads)
         return y
@@ -462,9 +534,10 @@ class CpuBackend(reference.ReferenceBackend):
         x = np.array(x, np.float32).reshape(-1)
         lins = []
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            lins += [w.w, w.s, w.zs, gemv_split(w, self.threads)]
+            lins += [w.w, w.s, w.zs]
         decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, k_buf, v_buf,
-                     slot, pos, k_pos, cos, sin, n_heads, np.float32(scale), window or 0)
+                     slot, pos, k_pos, cos, sin, n_heads, np.float32(scale), window or 0,
+                     self.threads)
         return x[None]
 
     def rmsnorm(self, x, w, eps):
@@ -481,7 +554,7 @@ class CpuBackend(reference.ReferenceBackend):
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None):
         if q.ndim == 3 and q.shape[0] == 1:
             out = attention_decode(q[0], k, v, int(q_pos[0]), k_pos, np.float32(scale),
-                                   window or 0)
+                                   window or 0, self.threads)
             return out[None]
         if q.ndim == 3:
             return attention_prompt(q, k, v, q_pos, k_pos, scale, window)
