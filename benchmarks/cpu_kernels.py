@@ -36,7 +36,7 @@ def child(args) -> dict:
         for _ in range(args.reps):
             start = time.perf_counter()
             for w in ws:
-                cpu.q4_gemv(x, w.w, w.s, w.zs, y, be.threads)
+                cpu.q4_gemv(x, w.w, w.s, w.z, y, be.threads)
             times.append((time.perf_counter() - start) / len(ws))
         xp = np.random.default_rng(1).standard_normal((args.tokens, n_in)).astype(np.float32)
         be.linear(xp, ws[0])

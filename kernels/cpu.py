@@ -1,18 +1,16 @@
 """Numba CPU kernels and the backend that runs the decoder on them.
 
-Decode at batch 1 is memory-bound, so the 4-bit weights are read as they are packed, never as a
-dequantized copy. The AutoAWQ layout (see awq_layout) is repacked once, at load, into a *planar*
-layout that vectorizes: for a layer with `out` outputs (all projections that share an input fused
-into one), W = out / 8 words per input row, and nibble j of word c holds output j * W + c. A GEMV
-then runs, for each nibble j, one long contiguous loop over the words of a row (mask, convert,
-multiply-add), with partial sums per quantization group folded into the output once per group:
+Decode at batch 1 reads every weight once per token, so the 4-bit weights are read as they are
+packed, never as a dequantized copy. The AutoAWQ layout (see awq_layout) is repacked once, at load,
+into the pair-planar layout of simd (all projections that share an input fused into one layer);
+scales stay float16 and zero points become bytes. A one-token GEMV rounds the activations to int16
+(one scale per block of at most X_BLOCK inputs, inside one quantization group) and sums codes times
+activations in integers, 32 pairs per instruction (simd.pair_dot), then per block and output
 
-    y[o] = sum_groups  s[g, o] * sum_{i in g} x[i] q[i, o]  -  s[g, o] z[g, o] * sum_{i in g} x[i]
+    y[o] += s[g, o] * (sx[b] * sum_{i in b} x_q[i] q[i, o]  -  z[g, o] * sx[b] * sum_{i in b} x_q[i])
 
-On two cores this float GEMV is compute-bound rather than memory-bound (mask, convert,
-multiply-add per weight: 10-15 G weights/s on two threads, benchmarks/cpu_kernels.py). One token runs each decoder layer
-as one fused kernel call (decode_layer), its GEMVs split among threads by words or, for narrow
-layers, by groups (gemv_split).
+One token runs each decoder layer as one fused kernel call (decode_layer); GEMVs and decode
+attention split their work among threads.
 
 Prompts (more than GEMV_MAX_TOKENS tokens) dequantize the layer into a scratch buffer and call BLAS
 through NumPy; prompt attention is blocked BLAS matmuls (attention_prompt). The LM head is
@@ -59,8 +57,8 @@ class Q4Linear(NamedTuple):
     """A 4-bit linear layer in the pair-planar layout (see simd)."""
 
     w: np.ndarray        # int32 [in/8, out]: the codes of output o for inputs 8r .. 8r+7 in w[r, o]
-    s: np.ndarray        # float32 [in/g, out]: scales
-    zs: np.ndarray       # float32 [in/g, out]: zero point x scale
+    s: np.ndarray        # uint16 [in/g, out]: the float16 scales' bits, as stored
+    z: np.ndarray        # uint8 [in/g, out]: zero points
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -107,9 +105,9 @@ def repack(parts: list) -> Q4Linear:
     for p in parts:
         _repack_pairs(np.ascontiguousarray(p.qweight), col, w)
         col += p.scales.shape[1]
-    s = np.concatenate([p.scales.astype(np.float32) for p in parts], axis=1)
+    s = np.concatenate([p.scales.astype(np.float16) for p in parts], axis=1).view(np.uint16)
     z = np.concatenate([awq_layout.unpack(p.qzeros) for p in parts], axis=1)
-    return Q4Linear(w, np.ascontiguousarray(s), np.ascontiguousarray(z * s, dtype=np.float32))
+    return Q4Linear(w, s, z)
 
 
 @njit(parallel=True, cache=True)
@@ -158,10 +156,10 @@ def quantize_pairs(x, block, xp, sx, xsum):
 
 
 @njit(fastmath=True, cache=True)
-def _q4_cols(xp, sx, xsum, w, s, zs, y, c0, c1):
+def _q4_cols(xp, sx, xsum, w, s, z, y, c0, c1):
     """y[c0:c1]: outputs c0 .. c1-1 of the GEMV of a pair-planar layer with activations from
     quantize_pairs. Per activation block b (in one quantization group gi):
-        y[o] += s[gi, o] * sx[b] * (integer dot of codes and x_q)  -  zs[gi, o] * xsum[b]"""
+        y[o] += s[gi, o] * (sx[b] * (integer dot of codes and x_q)  -  z[gi, o] * xsum[b])"""
     n_blocks, groups = sx.shape[0], s.shape[0]
     rows = w.shape[0] // n_blocks                   # word rows per block
     per_group = n_blocks // groups
@@ -183,12 +181,13 @@ def _q4_cols(xp, sx, xsum, w, s, zs, y, c0, c1):
             dots[c - c0] = acc
         f, xs = sx[b], xsum[b]
         for c in range(c0, c1):
-            out[c - c0] += s[gi, c] * (f * np.float32(dots[c - c0])) - zs[gi, c] * xs
+            out[c - c0] += simd.float_from_half(s[gi, c]) * (
+                f * np.float32(dots[c - c0]) - np.float32(z[gi, c]) * xs)
     y[c0:c1] = out
 
 
 @njit(parallel=True, cache=True)
-def q4_gemv(x, w, s, zs, y, threads):
+def q4_gemv(x, w, s, z, y, threads):
     """y [out] = x [in] @ W.T for a pair-planar 4-bit layer. The activations are quantized to
     int16 in blocks of at most X_BLOCK inputs (a block never spans two quantization groups: its
     size divides the group size), so the inner loop is integer pairwise multiply-adds (simd);
@@ -203,11 +202,11 @@ def q4_gemv(x, w, s, zs, y, threads):
     tasks = max(1, min(threads, n_vec))
     step = (n_vec + tasks - 1) // tasks * simd.LANES
     for t in prange(tasks):
-        _q4_cols(xp, sx, xsum, w, s, zs, y, t * step, min(n_out, t * step + step))
+        _q4_cols(xp, sx, xsum, w, s, z, y, t * step, min(n_out, t * step + step))
 
 
 @njit(fastmath=True, cache=True)
-def q4_dequantize(w, s, zs, dst):
+def q4_dequantize(w, s, z, dst):
     """dst float32 [in, out] = W.T of a pair-planar 4-bit layer. On one thread, on purpose: BLAS
     runs next, and OpenMP workers left spinning by a parallel loop would take its cores for
     milliseconds, slowing every prompt GEMM several times over."""
@@ -219,7 +218,8 @@ def q4_dequantize(w, s, zs, dst):
             gi = i // g
             shift = 4 * (t // 2) + 16 * (t % 2)
             for o in range(n_out):
-                dst[i, o] = np.float32((w[r, o] >> shift) & 15) * s[gi, o] - zs[gi, o]
+                dst[i, o] = (np.float32((w[r, o] >> shift) & 15) - np.float32(z[gi, o])) \
+                    * simd.float_from_half(s[gi, o])
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -442,7 +442,7 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, block=PROMPT_BLO
 
 @njit(parallel=True, fastmath=True, cache=True)
 def decode_layer(x, in_norm, post_norm, eps,
-                 qkv_w, qkv_s, qkv_zs, o_w, o_s, o_zs, gu_w, gu_s, gu_zs, d_w, d_s, d_zs,
+                 qkv_w, qkv_s, qkv_z, o_w, o_s, o_z, gu_w, gu_s, gu_z, d_w, d_s, d_z,
                  k_buf, v_buf, slot, pos, k_pos, cos, sin, n_heads, scale, window, threads):
     """One token x [H] through one decoder layer of 4-bit linears, in place; its K/V go to `slot`
     of the cache buffers k_buf, v_buf [G, S, D] (k_pos already holds its position `pos`). The
@@ -452,7 +452,7 @@ def decode_layer(x, in_norm, post_norm, eps,
     Qd, Gd = n_heads * D, G * D
     h = rmsnorm(x.reshape(1, -1), in_norm, eps)[0]
     qkv = np.empty(qkv_s.shape[1], np.float32)
-    q4_gemv(h, qkv_w, qkv_s, qkv_zs, qkv, threads)
+    q4_gemv(h, qkv_w, qkv_s, qkv_z, qkv, threads)
     q = rope(qkv[:Qd].reshape(1, n_heads, D), cos, sin)[0]
     k = rope(qkv[Qd:Qd + Gd].reshape(1, G, D), cos, sin)[0]
     for g in range(G):
@@ -460,14 +460,14 @@ def decode_layer(x, in_norm, post_norm, eps,
         v_buf[g, slot] = qkv[Qd + Gd + g * D:Qd + Gd + g * D + D]
     a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads)
     y = np.empty(x.shape[0], np.float32)
-    q4_gemv(a.reshape(-1), o_w, o_s, o_zs, y, threads)
+    q4_gemv(a.reshape(-1), o_w, o_s, o_z, y, threads)
     x += y
     h = rmsnorm(x.reshape(1, -1), post_norm, eps)
     gu = np.empty(gu_s.shape[1], np.float32)
-    q4_gemv(h[0], gu_w, gu_s, gu_zs, gu, threads)
+    q4_gemv(h[0], gu_w, gu_s, gu_z, gu, threads)
     I = gu.shape[0] // 2
     act = silu_mul(gu[:I].reshape(1, -1), gu[I:].reshape(1, -1))[0]
-    q4_gemv(act, d_w, d_s, d_zs, y, threads)
+    q4_gemv(act, d_w, d_s, d_z, y, threads)
     x += y
 
 
@@ -504,7 +504,7 @@ class CpuBackend(reference.ReferenceBackend):
             self._scratch = np.empty(n_in * n_out, np.float32)
         dst = self._scratch[:n_in * n_out].reshape(n_in, n_out)
         if isinstance(w, Q4Linear):
-            q4_dequantize(w.w, w.s, w.zs, dst)
+            q4_dequantize(w.w, w.s, w.z, dst)
         else:
             int8_dequantize(w.q, w.s, dst)
         return dst
@@ -520,7 +520,7 @@ class CpuBackend(reference.ReferenceBackend):
         y = np.empty((T, n_out), np.float32)
         for t in range(T):
             if isinstance(w, Q4Linear):
-                q4_gemv(x[t], w.w, w.s, w.zs, y[t], self.threads)
+                q4_gemv(x[t], w.w, w.s, w.z, y[t], self.threads)
             else:
                 int8_gemv(x[t], w.q, w.s, y[t], self.threads)
         return y
@@ -534,7 +534,7 @@ class CpuBackend(reference.ReferenceBackend):
         x = np.array(x, np.float32).reshape(-1)
         lins = []
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            lins += [w.w, w.s, w.zs]
+            lins += [w.w, w.s, w.z]
         decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, k_buf, v_buf,
                      slot, pos, k_pos, cos, sin, n_heads, np.float32(scale), window or 0,
                      self.threads)

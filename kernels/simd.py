@@ -96,3 +96,16 @@ def float_from_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
+
+
+@intrinsic
+def float_from_half(typingctx, bits):
+    """The float32 value of the IEEE half-precision number whose bits are the uint16 `bits`
+    (Numba's CPU target has no float16 type). Vectorized, a half-to-single conversion
+    instruction (x86 F16C, Arm fcvtl)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen

@@ -7,10 +7,19 @@
         print(r.text, end="", flush=True)
 """
 
-from .api import LLM, load
-from .errors import CacheFullError, ModelFormatError, TinyrtError
-from .generate import Response, Timings
-from .sampling import SamplingParams
+import os
+
+# NumPy's OpenBLAS keeps its threads spinning for about 2**28 cycles after each call before they
+# sleep: after a prompt's BLAS GEMMs they took a core from the first decode steps (which use no
+# BLAS) and doubled those steps' times. 2**18 cycles (about 0.1 ms) lets them sleep between calls.
+# Read when OpenBLAS loads, so it takes effect where tinyrt is imported before NumPy; a value the
+# user set wins.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "18")
+
+from .api import LLM, load  # noqa: E402
+from .errors import CacheFullError, ModelFormatError, TinyrtError  # noqa: E402
+from .generate import Response, Timings  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "load", "Response", "Timings", "SamplingParams", "TinyrtError",
