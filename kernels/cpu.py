@@ -26,27 +26,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import llvmlite.binding
 import numba
 import numpy as np
 from numba import njit, prange
 
 from . import awq_layout, reference, simd
-
-
-def _wide_vectors() -> None:
-    """Let LLVM vectorize with 512-bit registers on CPUs that have AVX-512 (by default it prefers
-    256 bits there): one layer's 4-bit GEMVs measured 1.02-1.11x faster with them, medians of 5
-    alternated processes (benchmarks/cpu_kernels.py).
-    Takes effect if no Numba code of this process compiled yet; a NUMBA_CPU_FEATURES that the user
-    set wins. Numba's cache keys machine code by these features."""
-    if numba.config.CPU_FEATURES is None:
-        features = llvmlite.binding.get_host_cpu_features()
-        if features.get("avx512f"):
-            numba.config.CPU_FEATURES = features.flatten() + ",-prefer-256-bit"
-
-
-_wide_vectors()
 
 GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
 PROMPT_BLOCK = 128       # queries per block of prompt attention
