@@ -65,7 +65,7 @@ def _repack_pairs(src, col0, dst):
     rows, words = src.shape
     for r in prange(rows // 8):
         for t in range(8):
-            shift = np.uint32(4 * (t // 2) + 16 * (t % 2))     # input 8r + t's place in a word
+            shift = np.uint32(simd.pair_shift(t))
             for c in range(words):
                 word = np.uint32(src[8 * r + t, c])
                 for k in range(8):
@@ -200,7 +200,7 @@ def q4_dequantize(w, s, z, dst):
         for t in range(8):
             i = 8 * r + t
             gi = i // g
-            shift = 4 * (t // 2) + 16 * (t % 2)
+            shift = simd.pair_shift(t)
             for o in range(n_out):
                 dst[i, o] = (np.float32((w[r, o] >> shift) & 15) - np.float32(z[gi, o])) \
                     * simd.float_from_half(s[gi, o])
@@ -531,8 +531,8 @@ class CpuBackend(reference.ReferenceBackend):
         return rope(x, cos, sin)
 
     def silu_mul(self, gate, up):
-        # a prompt's many rows: NumPy's vectorized exp is twice as fast as a Numba loop without
-        # a vector math library; one token: the Numba loop, without NumPy's per-call costs
+        # a prompt's many rows: NumPy's SiLU is faster than the Numba loop (still so with its
+        # polynomial exp); one token: the Numba loop, without NumPy's per-call costs
         return silu_mul(gate, up) if gate.shape[0] == 1 else reference.silu_mul(gate, up)
 
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None):

@@ -15,12 +15,18 @@ codes of a pair of inputs, ready for a pairwise multiply-add with the pair's two
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 LANES = 16          # outputs per vector: int32 lanes of a 512-bit register (LLVM splits if narrower)
 PAIR_MASK = 0x000F000F
+
+
+@njit(cache=True, inline="always")
+def pair_shift(t):
+    """The bit at which word [r, o] of the pair-planar layout holds the code of input 8r + t."""
+    return 4 * (t // 2) + 16 * (t % 2)
 
 
 @intrinsic
