@@ -37,6 +37,16 @@ PROMPT_BLOCK = 128       # queries per block of prompt attention
 X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
 
 
+def _prange_only() -> dict:
+    """Numba's parallel option with only prange loops run in parallel. With parallel=True Numba
+    also turns every array expression, slice assignment and np.zeros of the function into a
+    parallel region of its own: the small ones around the pranges (a head's row of the attention
+    merge, a K/V row into the cache) each cost a thread launch, 27 us instead of 5 us for a
+    one-slot decode attention. A fresh dict each time: Numba empties the one it is given."""
+    return dict(comprehension=False, reduction=False, inplace_binop=False, setitem=False,
+                numpy=False, stencil=False, fusion=False)
+
+
 class Q4Linear(NamedTuple):
     """A 4-bit linear layer in the pair-planar layout (see simd)."""
 
@@ -58,7 +68,7 @@ class Int8Rows(NamedTuple):
 
 # -- repacking, once at load ---------------------------------------------------------------------
 
-@njit(parallel=True, cache=True)
+@njit(parallel=_prange_only(), cache=True)
 def _repack_pairs(src, col0, dst):
     """Add a packed AutoAWQ part src int32 [in, out_p/8] whose outputs start at col0 into the
     pair-planar dst int32 [in/8, out]."""
@@ -94,7 +104,7 @@ def repack(parts: list) -> Q4Linear:
     return Q4Linear(w, s, z)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=_prange_only(), cache=True)
 def _int8_rows(w, q, s):
     for r in prange(w.shape[0]):
         m = np.float32(0)
@@ -170,7 +180,7 @@ def _q4_cols(xp, sx, xsum, w, s, z, y, c0, c1):
     y[c0:c1] = out
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=_prange_only(), cache=True)
 def q4_gemv(x, w, s, z, y, threads):
     """y [out] = x [in] @ W.T for a pair-planar 4-bit layer. The activations are quantized to
     int16 in blocks of at most X_BLOCK inputs (a block never spans two quantization groups: its
@@ -206,7 +216,7 @@ def q4_dequantize(w, s, z, dst):
                     * simd.float_from_half(s[gi, o])
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=_prange_only(), fastmath=True, cache=True)
 def int8_gemv(x, q, s, y, nchunk):
     """y [out] = (q [out, in] * s[:, None]) @ x [in]."""
     rows = q.shape[0]
@@ -302,26 +312,27 @@ ATTENTION_MIN_SLOTS = 128   # fewest cache slots per task of decode attention
 def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, total):
     """Softmax attention of one query per head q [Q, D] over the cache slots [s0, s1), not yet
     normalized: per head, top = the largest score, total = sum of e**(score - top), and
-    out [Q, D] = sum of e**(score - top) * v. The R query heads of a KV head read its K and V
-    rows together."""
+    out [Q, D] = sum of e**(score - top) * v. k, v: cache buffers [G, S, D] of float16 bits
+    (uint16) or float32. The R query heads of a KV head read its rows while they are in cache;
+    the vector parts are simd.cache_dot / cache_axpy4, the last D % LANES columns a loop."""
     Q, D = q.shape
     G = k.shape[0]
     R = Q // G
     n = s1 - s0
+    Dv = D - D % simd.LANES
     scores = np.empty((R, n), np.float32)
     for g in range(G):
         kg, vg = k[g], v[g]
         for s in range(s0, s1):
             p = k_pos[s]
             if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
-                scores[:, s - s0] = -np.inf
+                for r in range(R):
+                    scores[r, s - s0] = -np.inf
                 continue
-            row = kg[s]
             for r in range(R):
-                qr = q[g * R + r]
-                acc = np.float32(0)
-                for d in range(D):
-                    acc += qr[d] * row[d]
+                acc = simd.cache_dot(q, g * R + r, kg, s, Dv)
+                for d in range(Dv, D):
+                    acc += q[g * R + r, d] * simd.from_cache(kg[s, d])
                 scores[r, s - s0] = acc * scale
         for r in range(R):
             h, sr = g * R + r, scores[r]
@@ -335,21 +346,25 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, tot
                 continue
             t = np.float32(0)
             for i in range(n):
-                sr[i] = exp(sr[i] - m)
-                t += sr[i]
+                e = exp(sr[i] - m)           # 0 for a hidden slot, whose V row is still read
+                sr[i] = e                    # below: harmless, cached values are finite (to_cache)
+                t += e
             total[h] = t
-        for s in range(s0, s1):
-            if k_pos[s] < 0:
-                continue
-            row = vg[s]
-            for r in range(R):
-                e = scores[r, s - s0]
-                o = out[g * R + r]
-                for d in range(D):
-                    o[d] += e * row[d]
+            s = s0
+            while s + 4 <= s1:
+                simd.cache_axpy4(sr, s - s0, vg, s, out, h, Dv)
+                s += 4
+            for s in range(s, s1):
+                e = sr[s - s0]
+                for d in range(Dv):
+                    out[h, d] += e * simd.from_cache(vg[s, d])
+            for s in range(s0, s1):
+                e = sr[s - s0]
+                for d in range(Dv, D):
+                    out[h, d] += e * simd.from_cache(vg[s, d])
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=_prange_only(), fastmath=True, cache=True)
 def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads):
     """One query per head over the cache: q [Q, D]; k, v [G, S', D] whole cache buffers of which
     the first len(k_pos) slots are read; k_pos -1 = free slot; window <= 0 means none.
@@ -382,14 +397,14 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads):
 
 @njit(cache=True)
 def store_kv(k_buf, v_buf, slots, k, v):
-    """k, v [T, G, D] -> cache buffers [G, S, D] at slots [T]."""
+    """k, v float32 [T, G, D] -> cache buffers [G, S, D] (float16 bits or float32) at slots [T]."""
     T, G, D = k.shape
     for t in range(T):
         s = slots[t]
         for g in range(G):
             for d in range(D):
-                k_buf[g, s, d] = k[t, g, d]
-                v_buf[g, s, d] = v[t, g, d]
+                k_buf[g, s, d] = simd.to_cache(k[t, g, d], k_buf)
+                v_buf[g, s, d] = simd.to_cache(v[t, g, d], v_buf)
 
 
 def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, block=PROMPT_BLOCK):
@@ -424,7 +439,7 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, block=PROMPT_BLO
 
 # -- one decoder layer for one token, fused ------------------------------------------------------
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def decode_layer(x, in_norm, post_norm, eps,
                  qkv_w, qkv_s, qkv_z, o_w, o_s, o_z, gu_w, gu_s, gu_z, d_w, d_s, d_z,
                  k_buf, v_buf, slot, pos, k_pos, cos, sin, n_heads, scale, window, threads):
@@ -439,9 +454,8 @@ def decode_layer(x, in_norm, post_norm, eps,
     q4_gemv(h, qkv_w, qkv_s, qkv_z, qkv, threads)
     q = rope(qkv[:Qd].reshape(1, n_heads, D), cos, sin)[0]
     k = rope(qkv[Qd:Qd + Gd].reshape(1, G, D), cos, sin)[0]
-    for g in range(G):
-        k_buf[g, slot] = k[g]
-        v_buf[g, slot] = qkv[Qd + Gd + g * D:Qd + Gd + g * D + D]
+    store_kv(k_buf, v_buf, np.array([slot]), k.reshape(1, G, D),
+             qkv[Qd + Gd:].reshape(1, G, D))
     a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads)
     y = np.empty(x.shape[0], np.float32)
     q4_gemv(a.reshape(-1), o_w, o_s, o_z, y, threads)
@@ -456,6 +470,12 @@ def decode_layer(x, in_norm, post_norm, eps,
 
 
 # -- the backend ---------------------------------------------------------------------------------
+
+def _bits(buf: np.ndarray) -> np.ndarray:
+    """A KV buffer as the kernels take it: float16 as its uint16 bits (Numba's CPU target has no
+    float16), float32 as it is."""
+    return buf.view(np.uint16) if buf.dtype == np.float16 else buf
+
 
 class CpuBackend(reference.ReferenceBackend):
     """The decoder's ops on the Numba kernels above. Prepared weights: Q4Linear for 4-bit
@@ -519,9 +539,9 @@ class CpuBackend(reference.ReferenceBackend):
         lins = []
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
             lins += [w.w, w.s, w.z]
-        decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, k_buf, v_buf,
-                     slot, pos, k_pos, cos, sin, n_heads, np.float32(scale), window or 0,
-                     self.threads)
+        decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, _bits(k_buf),
+                     _bits(v_buf), slot, pos, k_pos, cos, sin, n_heads, np.float32(scale),
+                     window or 0, self.threads)
         return x[None]
 
     def rmsnorm(self, x, w, eps):
@@ -537,7 +557,7 @@ class CpuBackend(reference.ReferenceBackend):
 
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None):
         if q.ndim == 3 and q.shape[0] == 1:
-            out = attention_decode(q[0], k, v, int(q_pos[0]), k_pos, np.float32(scale),
+            out = attention_decode(q[0], _bits(k), _bits(v), int(q_pos[0]), k_pos, np.float32(scale),
                                    window or 0, self.threads)
             return out[None]
         if q.ndim == 3:
@@ -545,4 +565,5 @@ class CpuBackend(reference.ReferenceBackend):
         return reference.attention(q, k, v, q_pos, k_pos, scale, window)
 
     def store_kv(self, k_buf, v_buf, slots, k, v):
-        store_kv(k_buf, v_buf, slots, np.ascontiguousarray(k), np.ascontiguousarray(v))
+        store_kv(_bits(k_buf), _bits(v_buf), slots, np.ascontiguousarray(k, np.float32),
+                 np.ascontiguousarray(v, np.float32))

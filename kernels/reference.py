@@ -155,7 +155,12 @@ class ReferenceBackend:
     @staticmethod
     def store_kv(k_buf: np.ndarray, v_buf: np.ndarray, slots: np.ndarray,
                  k: np.ndarray, v: np.ndarray) -> None:
-        """Write k, v [T, G, D] into the cache buffers [G, S, D] at `slots` [T]."""
+        """Write k, v [T, G, D] into the cache buffers [G, S, D] at `slots` [T]. Into float16
+        buffers, rounded to nearest and clamped to the finite range (no infinities to meet an
+        attention weight of 0)."""
+        if k_buf.dtype == np.float16:
+            top = np.finfo(np.float16).max
+            k, v = np.clip(k, -top, top), np.clip(v, -top, top)
         k_buf[:, slots] = k.transpose(1, 0, 2)
         v_buf[:, slots] = v.transpose(1, 0, 2)
 

@@ -21,6 +21,7 @@ from numba.extending import intrinsic
 
 LANES = 16          # outputs per vector: int32 lanes of a 512-bit register (LLVM splits if narrower)
 PAIR_MASK = 0x000F000F
+HALF_MAX = 65504.0     # the largest finite float16
 
 
 @njit(cache=True, inline="always")
@@ -113,5 +114,136 @@ def float_from_half(typingctx, bits):
 
     def codegen(context, builder, signature, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+# -- the KV cache's elements: float16 (stored as uint16 bits) or float32 --------------------------
+
+def _is_half(array_type) -> bool:
+    return array_type.dtype == types.uint16
+
+
+def _to_float(builder, value, half: bool):
+    """A loaded KV element or vector of them as float32."""
+    if not half:
+        return value
+    count = value.type.count if isinstance(value.type, ir.VectorType) else None
+    f16 = ir.HalfType() if count is None else ir.VectorType(ir.HalfType(), count)
+    f32 = ir.FloatType() if count is None else ir.VectorType(ir.FloatType(), count)
+    return builder.fpext(builder.bitcast(value, f16), f32)
+
+
+@intrinsic
+def to_cache(typingctx, x, buf):
+    """The float32 `x` as an element of the KV buffer `buf` holds it: float16 bits (rounded to
+    nearest, clamped to the largest finite half, so attention weights of 0 never meet an
+    infinity) for a uint16 buffer, x itself for a float32 one."""
+    sig = buf.dtype(types.float32, buf)
+
+    def codegen(context, builder, signature, args):
+        if not _is_half(signature.args[1]):
+            return args[0]
+        f32 = ir.FloatType()
+        x = args[0]
+        x = builder.select(builder.fcmp_ordered(">", x, ir.Constant(f32, HALF_MAX)), ir.Constant(f32, HALF_MAX), x)
+        x = builder.select(builder.fcmp_ordered("<", x, ir.Constant(f32, -HALF_MAX)), ir.Constant(f32, -HALF_MAX), x)
+        return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def from_cache(typingctx, e):
+    """A KV buffer element as float32 (see to_cache)."""
+    sig = types.float32(e)
+
+    def codegen(context, builder, signature, args):
+        return _to_float(builder, args[0], signature.args[0] == types.uint16)
+
+    return sig, codegen
+
+
+def _row_pointer(context, builder, array_type, array, row):
+    """Pointer to element [row, 0] of a C-contiguous 2-D array."""
+    arr = context.make_array(array_type)(context, builder, array)
+    zero = ir.Constant(context.get_value_type(types.intp), 0)
+    return cgutils.get_item_pointer(context, builder, array_type, arr, [row, zero])
+
+
+def _vector_at(builder, base, offset, element_type):
+    """The LANES elements at base + offset, as a vector (unaligned load)."""
+    vec = ir.VectorType(element_type, LANES)
+    ptr = builder.bitcast(builder.gep(base, [offset]), vec.as_pointer())
+    return builder.load(ptr, align=element_type.width // 8 if hasattr(element_type, "width") else 4)
+
+
+@intrinsic
+def cache_dot(typingctx, q, h, k, s, n):
+    """sum over d < n of q[h, d] * k[s, d] in float32: q float32 [Q, D], k a KV buffer head
+    [S, D] (uint16 float16 bits or float32), n a multiple of LANES."""
+    sig = types.float32(q, h, k, s, n)
+
+    def codegen(context, builder, signature, args):
+        q_ty, h_ty, k_ty, s_ty, n_ty = signature.args
+        intp = context.get_value_type(types.intp)
+        hv, sv, nv = (context.cast(builder, v, t, types.intp)
+                      for v, t in ((args[1], h_ty), (args[3], s_ty), (args[4], n_ty)))
+        half = _is_half(k_ty)
+        f32 = ir.FloatType()
+        vec = ir.VectorType(f32, LANES)
+        q_row = _row_pointer(context, builder, q_ty, args[0], hv)
+        k_row = _row_pointer(context, builder, k_ty, args[2], sv)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vec, None))
+        zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
+        with cgutils.for_range_slice(builder, zero, nv, step) as (d, _):
+            qv = _vector_at(builder, q_row, d, f32)
+            kv = _to_float(builder, _vector_at(builder, k_row, d, ir.IntType(16) if half else f32), half)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(qv, kv, flags=["fast"]),
+                                       flags=["fast"]), acc)
+        reduce = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(f32, [f32, vec]), f"llvm.vector.reduce.fadd.v{LANES}f32")
+        return builder.call(reduce, [ir.Constant(f32, 0), builder.load(acc)], fastmath=("fast",))
+
+    return sig, codegen
+
+
+@intrinsic
+def cache_axpy4(typingctx, e, i, v, s, out, h, n):
+    """out[h, :n] += e[i] v[s] + e[i+1] v[s+1] + e[i+2] v[s+2] + e[i+3] v[s+3] (rows, d < n)
+    in float32: e float32 [>= i+4], v a KV buffer head [S, D] (uint16 float16 bits or float32),
+    out float32 [Q, D], n a multiple of LANES. Four rows per pass over out: one load and store
+    of out per four rows."""
+    sig = types.void(e, i, v, s, out, h, n)
+
+    def codegen(context, builder, signature, args):
+        e_ty, i_ty, v_ty, s_ty, out_ty, h_ty, n_ty = signature.args
+        intp = context.get_value_type(types.intp)
+        iv, sv, hv, nv = (context.cast(builder, a, t, types.intp)
+                          for a, t in ((args[1], i_ty), (args[3], s_ty), (args[5], h_ty), (args[6], n_ty)))
+        half = _is_half(v_ty)
+        f32 = ir.FloatType()
+        vec = ir.VectorType(f32, LANES)
+        i32 = ir.IntType(32)
+        splat0 = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+        e_arr = context.make_array(e_ty)(context, builder, args[0])
+        weights, rows = [], []
+        for j in range(4):
+            idx = builder.add(iv, ir.Constant(intp, j))
+            x = builder.load(cgutils.get_item_pointer(context, builder, e_ty, e_arr, [idx]))
+            one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(i32, 0))
+            weights.append(builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat0))
+            rows.append(_row_pointer(context, builder, v_ty, args[2],
+                                     builder.add(sv, ir.Constant(intp, j))))
+        out_row = _row_pointer(context, builder, out_ty, args[4], hv)
+        zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
+        with cgutils.for_range_slice(builder, zero, nv, step) as (d, _):
+            ptr = builder.bitcast(builder.gep(out_row, [d]), vec.as_pointer())
+            total = builder.load(ptr, align=4)
+            for w, row in zip(weights, rows):
+                x = _to_float(builder, _vector_at(builder, row, d, ir.IntType(16) if half else f32), half)
+                total = builder.fadd(total, builder.fmul(w, x, flags=["fast"]), flags=["fast"])
+            builder.store(total, ptr, align=4)
+        return context.get_dummy_value()
 
     return sig, codegen

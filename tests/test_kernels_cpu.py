@@ -122,20 +122,23 @@ def test_rope(T, N, D):
 @pytest.mark.parametrize("ratio", [1, 3, 4, 8])
 @pytest.mark.parametrize("S", [1, 17, 255, 700])
 @pytest.mark.parametrize("window", [None, 5])
-def test_attention_decode(ratio, S, window):
-    """Over a ring buffer; 700 slots: split among tasks, the partial softmaxes merged."""
-    G, D = 2, 32
+@pytest.mark.parametrize("dtype, D", [(np.float16, 32), (np.float32, 32), (np.float16, 24)])
+def test_attention_decode(ratio, S, window, dtype, D):
+    """Over a ring buffer of float16 or float32 elements; 700 slots: split among tasks, the
+    partial softmaxes merged; head size 24: the columns past the vector part."""
+    G = 2
     q = rng.standard_normal((1, G * ratio, D)).astype(np.float32)
-    k, v = (rng.standard_normal((G, S, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((G, S, D)).astype(dtype) for _ in range(2))
     k_pos = rng.permutation(S + 3)[:S]                 # a ring buffer: any order, some free slots
     k_pos[rng.random(S) < 0.2] = -1
     q_pos = np.array([S + 3])
     k_pos[0] = q_pos[0]                                # the query's own key is always there
-    want = ref.attention(q, k, v, q_pos, k_pos, 0.2, window)
+    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.2, window)
     np.testing.assert_allclose(cpu.CpuBackend().attention(q, k, v, q_pos, k_pos, 0.2, window),
                                want, atol=1e-5)
     for tasks in (1, 3):
-        got = cpu.attention_decode(q[0], k, v, q_pos[0], k_pos, np.float32(0.2), window or 0, tasks)
+        got = cpu.attention_decode(q[0], cpu._bits(k), cpu._bits(v), q_pos[0], k_pos,
+                                   np.float32(0.2), window or 0, tasks)
         np.testing.assert_allclose(got[None], want, atol=1e-5)
 
 
@@ -161,14 +164,22 @@ def test_attention_prompt(ratio, T, past, block, window, ordered):
                                want, atol=1e-5)
 
 
-def test_store_kv():
-    k_buf, v_buf = np.zeros((3, 10, 8), np.float32), np.zeros((3, 10, 8), np.float32)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_store_kv(dtype):
+    """Float16 buffers hold the values rounded to nearest (as NumPy rounds), clamped to the
+    largest finite half."""
+    k_buf, v_buf = np.zeros((3, 10, 8), dtype), np.zeros((3, 10, 8), dtype)
     k, v = rng.standard_normal((4, 3, 8)).astype(np.float32), rng.standard_normal((4, 3, 8)).astype(np.float32)
+    k[0, 0, :2] = [1e6, -7e4]
     slots = np.array([7, 2, 9, 0])
     want_k, want_v = k_buf.copy(), v_buf.copy()
     ref.ReferenceBackend.store_kv(want_k, want_v, slots, k, v)
     cpu.CpuBackend().store_kv(k_buf, v_buf, slots, k, v)
     assert np.array_equal(k_buf, want_k) and np.array_equal(v_buf, want_v)
+    assert np.isfinite(k_buf).all()
+    if dtype == np.float16:
+        assert k_buf[0, 7, 0] == np.finfo(np.float16).max and k_buf[0, 7, 1] == -np.finfo(np.float16).max
+        assert np.array_equal(v_buf[:, slots].transpose(1, 0, 2), v.astype(np.float16))
 
 
 def test_dispatch():

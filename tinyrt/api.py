@@ -13,7 +13,7 @@ from tinyrt.errors import ModelFormatError, TinyrtError
 from .chat_template import template_from_config
 from .generate import Generation, Response
 from .kernels import get_backend
-from .kv_cache import KVCache
+from .kv_cache import KVCache, kv_dtype
 from .models import load_model
 from .registry import resolve
 from .sampling import Sampler, SamplingParams
@@ -51,7 +51,7 @@ class LLM:
     """
 
     def __init__(self, directory: str | os.PathLike, *, device: str = "auto",
-                 threads: int | None = None, kv_size: int | None = None):
+                 threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16"):
         start = time.perf_counter()
         self.directory = Path(directory)
         try:
@@ -65,7 +65,7 @@ class LLM:
         self.generation_config = _generation_config(self.directory)
         size = kv_size or min(cfg.max_position_embeddings, DEFAULT_KV_SIZE)
         self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                             size, self.backend)
+                             size, self.backend, kv_dtype(kv_type))
         gen_eos = self.generation_config.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = {i for i in (*cfg.eos_token_ids, *gen_eos, self.tokenizer.eos_id)
@@ -121,10 +121,12 @@ class LLM:
 
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto",
-         threads: int | None = None, kv_size: int | None = None, quiet: bool = False) -> LLM:
+         threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
+         quiet: bool = False) -> LLM:
     """Load a model: a model directory, a GGUF file or HF directory (converted once and cached),
     a known name, or None for the default model (fetched and converted on first use)."""
     start = time.perf_counter()
-    llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, kv_size=kv_size)
+    llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, kv_size=kv_size,
+              kv_type=kv_type)
     llm.load_s = time.perf_counter() - start
     return llm

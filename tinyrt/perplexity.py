@@ -66,7 +66,8 @@ def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
         windows = min(windows, max_windows)
     if windows == 0:
         raise TinyrtError(f"the text has {len(ids)} tokens: fewer than one window of {ctx}")
-    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ctx, llm.backend)
+    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ctx, llm.backend,
+                    llm.cache.k.dtype)
     start = time.perf_counter()
     nll = 0.0
     for w in range(windows):

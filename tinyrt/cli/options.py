@@ -29,6 +29,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-policy", choices=["dense"], default="dense", help="KV cache policy")
     r.add_argument("--kv-size", type=int, default=None,
                    help="KV cache size in tokens (default: the model context, at most 4096)")
+    r.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
+                   help="KV cache element type (default f16: half the memory)")
     r.add_argument("--device", choices=DEVICES, default="auto")
     r.add_argument("--threads", type=int, default=None)
 
@@ -43,4 +45,5 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
 def load_llm(args: argparse.Namespace):
     import tinyrt
 
-    return tinyrt.load(args.model, device=args.device, threads=args.threads, kv_size=args.kv_size)
+    return tinyrt.load(args.model, device=args.device, threads=args.threads, kv_size=args.kv_size,
+                       kv_type=args.kv_type)
