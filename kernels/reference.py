@@ -149,7 +149,12 @@ class ReferenceBackend:
     rmsnorm = staticmethod(rmsnorm)
     linear = staticmethod(linear)
     rope = staticmethod(rope)
-    silu_mul = staticmethod(silu_mul)
+
+    @staticmethod
+    def swiglu(gu: np.ndarray) -> np.ndarray:
+        """silu(gate) * up of the fused gate/up projection's output gu [T, 2I] (gate first)."""
+        I = gu.shape[-1] // 2
+        return silu_mul(gu[..., :I], gu[..., I:])
     attention = staticmethod(attention)
 
     @staticmethod

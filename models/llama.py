@@ -155,6 +155,5 @@ class LlamaModel:
             x = x + be.linear(a.reshape(T, Q * D), L.o)
             h = be.rmsnorm(x, L.post_norm, cfg.rms_norm_eps)
             gu = be.linear(h, L.gate_up)                                   # [T, 2I]
-            I = gu.shape[1] // 2
-            x = x + be.linear(be.silu_mul(gu[:, :I], gu[:, I:]), L.down)
+            x = x + be.linear(be.swiglu(gu), L.down)
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)

@@ -145,7 +145,7 @@ def _logits(directory, ids):
     m = load_model(directory, get_backend("reference"))
     c = m.config
     return m.forward(ids, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256,
-                                  m.backend), all_logits=True)
+                                  m.backend, np.float32), all_logits=True)   # float32: vs transformers
 
 
 def test_awq_beats_round_to_nearest_on_salient_channels(tmp_path):

@@ -18,8 +18,8 @@ from tinyrt.models.rope import rope_inv_freq
 def _logits(directory, ids):
     m = load_model(directory, get_backend("reference"))
     c = m.config
-    return m.forward(ids, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend),
-                     all_logits=True)
+    return m.forward(ids, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend,
+                                  np.float32), all_logits=True)             # float32: vs transformers
 
 
 def test_sharded_bf16_hf_directory(tmp_path):

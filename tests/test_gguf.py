@@ -34,7 +34,8 @@ def _tiny_gguf(tmp_path, cfg, qtype, **kw):
 def _ours_logits(directory, ids):
     m = load_model(directory, get_backend("reference"))
     c = m.config
-    cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend)
+    cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend,
+                    np.float32)                                   # float32: vs transformers
     return m.forward(ids, cache, all_logits=True)
 
 

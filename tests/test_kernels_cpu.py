@@ -105,11 +105,13 @@ def test_int8_head():
 
 
 @pytest.mark.parametrize("T, H", [(1, 96), (7, 576), (3, 33)])
-def test_rmsnorm_silu(T, H):
+def test_rmsnorm_swiglu(T, H):
     x, w = rng.standard_normal((T, H)).astype(np.float32), rng.standard_normal(H).astype(np.float32)
     np.testing.assert_allclose(cpu.rmsnorm(x, w, 1e-5), ref.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
-    u = rng.standard_normal((T, H)).astype(np.float32) * 10
-    np.testing.assert_allclose(cpu.silu_mul(u, x), ref.silu_mul(u, x), rtol=1e-5, atol=1e-6)
+    gu = rng.standard_normal((T, 2 * H)).astype(np.float32) * 10     # gate (large: tails of exp), up
+    gu[0, :3] = [-1e4, 1e4, 0]
+    want = ref.ReferenceBackend.swiglu(gu)
+    np.testing.assert_allclose(cpu.CpuBackend().swiglu(gu), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("T, N, D", [(1, 9, 64), (5, 3, 16), (13, 8, 128)])
@@ -146,20 +148,21 @@ def test_attention_decode(ratio, S, window, dtype, D):
 @pytest.mark.parametrize("T, past, block", [(7, 0, 3), (130, 9, 128), (5, 40, 2)])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("ordered", [True, False])
-def test_attention_prompt(ratio, T, past, block, window, ordered):
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_attention_prompt(ratio, T, past, block, window, ordered, dtype):
     """Blocked prompt attention = the reference, over caches in position order (the causal skip)
     and in ring order with free slots; buffers larger than the slots read."""
     G, D = 2, 16
     S = past + T
     q = rng.standard_normal((T, G * ratio, D)).astype(np.float32)
-    k, v = (rng.standard_normal((G, S + 4, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((G, S + 4, D)).astype(dtype) for _ in range(2))
     k_pos = np.arange(S) if ordered else rng.permutation(S)
     if not ordered:
         k_pos[rng.random(S) < 0.2] = -1
     q_pos = np.arange(past, S)
     if not ordered:                                    # each query's own key is in the cache
         k_pos[rng.choice(S, T, replace=False)] = q_pos
-    want = ref.attention(q, k, v, q_pos, k_pos, 0.3, window)
+    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.3, window)
     np.testing.assert_allclose(cpu.attention_prompt(q, k, v, q_pos, k_pos, 0.3, window, block),
                                want, atol=1e-5)
 

@@ -13,9 +13,11 @@ from tinyrt.models import load_model
 
 
 def _ours(directory, capacity=512):
+    """The reference decoder with a float32 KV cache: comparable with transformers to 1e-5."""
     m = load_model(directory, get_backend("reference"))
     c = m.config
-    return m, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, m.backend)
+    return m, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, m.backend,
+                      np.float32)
 
 
 CASES = {

@@ -16,7 +16,7 @@ def tiny(tmp_path_factory):
     import tinyrt
 
     d = write_tiny_model(tmp_path_factory.mktemp("ppl") / "m", tiny_config(), seed=2)
-    return d, tinyrt.LLM(d)
+    return d, tinyrt.LLM(d, kv_type="f32")            # float32 KV: the protocol checked exactly
 
 
 def test_perplexity_matches_transformers(tiny):

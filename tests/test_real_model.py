@@ -20,7 +20,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm32(smol_f32):
-    return tinyrt.LLM(smol_f32)
+    """The float path at full precision: float32 weights and KV cache."""
+    return tinyrt.LLM(smol_f32, kv_type="f32")
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,15 @@ def _hf_greedy(model, ids, eos_ids, n=64):
     return [t for t in toks if t not in eos_ids]
 
 
-def test_logits_agree_with_transformers_over_256_tokens(llm32, hf_gguf_model, wikitext):
-    ids = llm32.tokenizer.encode(wikitext[:4000])[:256]
+def _logits_256(llm, wikitext):
+    ids = llm.tokenizer.encode(wikitext[:4000])[:256]
     assert len(ids) == 256
-    llm32.cache.reset()
-    ours = llm32.model.forward(ids, llm32.cache, all_logits=True)
+    llm.cache.reset()
+    return ids, llm.model.forward(ids, llm.cache, all_logits=True)
+
+
+def test_logits_agree_with_transformers_over_256_tokens(llm32, hf_gguf_model, wikitext):
+    ids, ours = _logits_256(llm32, wikitext)
     want = hf_logits(hf_gguf_model, ids)
     err = rel_err(ours, want)
     print(f"\nlogits relative error (Frobenius) over 256 tokens: {err:.2e}; "
@@ -54,6 +59,16 @@ def test_logits_agree_with_transformers_over_256_tokens(llm32, hf_gguf_model, wi
     assert err <= 1e-3
     assert np.abs(ours - want).max() <= 1e-3 * np.abs(want).max()
     assert (ours.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_float16_kv_cache_error(smol_f32, hf_gguf_model, wikitext):
+    """The default float16 KV cache: the logits' error it adds over 256 tokens stays small."""
+    ids, ours = _logits_256(tinyrt.LLM(smol_f32), wikitext)
+    want = hf_logits(hf_gguf_model, ids)
+    err = rel_err(ours, want)
+    agree = (ours.argmax(-1) == want.argmax(-1)).mean()
+    print(f"\nfloat16 KV: logits relative error {err:.2e}; top-1 agreement {agree:.4f}")
+    assert err <= 1e-3 and agree >= 0.99
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -14,7 +14,7 @@ from .chat_template import template_from_config
 from .generate import Generation, Response
 from .kernels import get_backend
 from .kv_cache import KVCache, kv_dtype
-from .models import load_model
+from .models import load_model, trim_heap
 from .registry import resolve
 from .sampling import Sampler, SamplingParams
 from .tokenizer import load_tokenizer
@@ -62,6 +62,7 @@ class LLM:
         self.config = cfg = self.model.config
         self.tokenizer = load_tokenizer(self.directory)
         self.template = template_from_config(self.tokenizer.config)
+        trim_heap()              # the tokenizer's JSON parse leaves ~17 MB of freed heap behind
         self.generation_config = _generation_config(self.directory)
         size = kv_size or min(cfg.max_position_embeddings, DEFAULT_KV_SIZE)
         self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,

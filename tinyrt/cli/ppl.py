@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
+                   help="KV cache element type (default f16)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -35,7 +37,8 @@ def main(args: argparse.Namespace) -> int:
         text = Path(args.text).read_text(encoding="utf-8")
     except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
         raise TinyrtError(f"cannot read {args.text}: {type(e).__name__}") from None
-    llm = tinyrt.load(args.model or args.model_pos, device=args.device, threads=args.threads)
+    llm = tinyrt.load(args.model or args.model_pos, device=args.device, threads=args.threads,
+                      kv_type=args.kv_type)
     bar = Progress(TextColumn("ppl"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
     task = None
