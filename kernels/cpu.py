@@ -12,9 +12,9 @@ activations in integers, 32 pairs per instruction (simd.pair_dot), then per bloc
 One token runs each decoder layer as one fused kernel call (decode_layer); GEMVs and decode
 attention split their work among threads.
 
-Prompts (more than GEMV_MAX_TOKENS tokens) dequantize the layer into a scratch buffer and call BLAS
-through NumPy; prompt attention is blocked BLAS matmuls (attention_prompt). The LM head is
-quantized at load to int8 per row (see prepare_head). Attention over the cache in decode, RMSNorm,
+Prompts (more than GEMV_MAX_TOKENS tokens) dequantize a tile of a layer's columns at a time into a
+small scratch buffer and call BLAS through NumPy per tile; prompt attention is blocked BLAS
+matmuls (attention_prompt). The LM head is quantized at load to int8 per row (see prepare_head). Attention over the cache in decode, RMSNorm,
 RoPE and SiLU·mul are Numba loops.
 
 Every kernel compiles with cache=True: the first run of a fresh install compiles them (tens of
@@ -24,17 +24,26 @@ seconds), later runs load machine code from the cache.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.core.errors import NumbaPerformanceWarning
 
 from . import awq_layout, reference, simd
 
 GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
 PROMPT_BLOCK = 128       # queries per block of prompt attention
 X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
+DEQUANT_TILE_BYTES = 8 << 20   # a prompt GEMM's dequantized weight tile (a whole layer of the default model)
+
+# Typing decode_layer's call of attention_decode warns (once, when the cache is cold) that a
+# parallel function had nothing to parallelize; its prange does run in parallel (measured: one
+# token at 2 threads takes 0.47x the time at 1).
+warnings.filterwarnings("ignore", message=r"\s*The keyword argument 'parallel=True' was specified",
+                        category=NumbaPerformanceWarning)
 
 
 def _prange_only() -> dict:
@@ -200,20 +209,20 @@ def q4_gemv(x, w, s, z, y, threads):
 
 
 @njit(fastmath=True, cache=True)
-def q4_dequantize(w, s, z, dst):
-    """dst float32 [in, out] = W.T of a pair-planar 4-bit layer. On one thread, on purpose: BLAS
-    runs next, and OpenMP workers left spinning by a parallel loop would take its cores for
-    milliseconds, slowing every prompt GEMM several times over."""
-    n_out = w.shape[1]
+def q4_dequantize(w, s, z, c0, c1, dst):
+    """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a pair-planar 4-bit layer. On one
+    thread, on purpose: BLAS runs next, and OpenMP workers left spinning by a parallel loop
+    would take its cores for milliseconds, slowing every prompt GEMM several times over."""
     g = 8 * w.shape[0] // s.shape[0]
     for r in range(w.shape[0]):
-        for t in range(8):
+        words = w[r, c0:c1]             # views: indices from range() need no wraparound
+        for t in range(8):              # check, which would keep the loop from vectorizing
             i = 8 * r + t
-            gi = i // g
+            zeros, scales, row = z[i // g, c0:c1], s[i // g, c0:c1], dst[i]
             shift = simd.pair_shift(t)
-            for o in range(n_out):
-                dst[i, o] = (np.float32((w[r, o] >> shift) & 15) - np.float32(z[gi, o])) \
-                    * simd.float_from_half(s[gi, o])
+            for j in range(c1 - c0):
+                row[j] = (np.float32((words[j] >> shift) & 15) - np.float32(zeros[j])) \
+                    * simd.float_from_half(scales[j])
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
@@ -231,11 +240,13 @@ def int8_gemv(x, q, s, y, nchunk):
 
 
 @njit(fastmath=True, cache=True)
-def int8_dequantize(q, s, dst):
-    """dst float32 [in, out] = (q * s[:, None]).T, on one thread (see q4_dequantize)."""
-    for r in range(q.shape[0]):
+def int8_dequantize(q, s, c0, c1, dst):
+    """dst float32 [in, c1 - c0] = columns [c0, c1) of (q * s[:, None]).T, on one thread (see
+    q4_dequantize)."""
+    for r in range(c1 - c0):
+        row, scale = q[c0 + r], s[c0 + r]
         for i in range(q.shape[1]):
-            dst[i, r] = np.float32(q[r, i]) * s[r]
+            dst[i, r] = np.float32(row[i]) * scale
 
 
 # -- the small ops --------------------------------------------------------------------------------
@@ -538,17 +549,24 @@ class CpuBackend(reference.ReferenceBackend):
     def prepare_embedding(self, table: np.ndarray) -> np.ndarray:
         return table          # looked up a few rows at a time: stays as stored (mmap, f16 or f32)
 
-    def _dequantized(self, w) -> np.ndarray:
-        """The float32 [in, out] of a 4-bit or int8 layer, in a scratch buffer reused by all."""
+    def _prompt_linear(self, x: np.ndarray, w) -> np.ndarray:
+        """x [T, in] @ W.T for a prompt: W dequantized a tile of columns at a time into a scratch
+        buffer of at most DEQUANT_TILE_BYTES, each tile one BLAS GEMM. The buffer stays small
+        (a whole gate/up layer would be 7 MB, the LM head 113 MB) and in cache for the GEMM."""
         n_out, n_in = w.shape if isinstance(w, Q4Linear) else w.q.shape
-        if self._scratch.size < n_in * n_out:
-            self._scratch = np.empty(n_in * n_out, np.float32)
-        dst = self._scratch[:n_in * n_out].reshape(n_in, n_out)
-        if isinstance(w, Q4Linear):
-            q4_dequantize(w.w, w.s, w.z, dst)
-        else:
-            int8_dequantize(w.q, w.s, dst)
-        return dst
+        cols = max(simd.LANES, DEQUANT_TILE_BYTES // (4 * n_in) // simd.LANES * simd.LANES)
+        if self._scratch.size < n_in * cols:
+            self._scratch = np.empty(n_in * cols, np.float32)
+        tiles = []
+        for c0 in range(0, n_out, cols):
+            c1 = min(n_out, c0 + cols)
+            dst = self._scratch[:n_in * (c1 - c0)].reshape(n_in, c1 - c0)
+            if isinstance(w, Q4Linear):
+                q4_dequantize(w.w, w.s, w.z, c0, c1, dst)
+            else:
+                int8_dequantize(w.q, w.s, c0, c1, dst)
+            tiles.append(x @ dst)
+        return tiles[0] if len(tiles) == 1 else np.concatenate(tiles, axis=1)
 
     def linear(self, x: np.ndarray, w) -> np.ndarray:
         if isinstance(w, np.ndarray):
@@ -556,7 +574,7 @@ class CpuBackend(reference.ReferenceBackend):
         x = np.ascontiguousarray(x, dtype=np.float32)
         T = x.shape[0]
         if T > GEMV_MAX_TOKENS:
-            return x @ self._dequantized(w)
+            return self._prompt_linear(x, w)
         n_out = w.shape[0] if isinstance(w, Q4Linear) else w.q.shape[0]
         y = np.empty((T, n_out), np.float32)
         for t in range(T):

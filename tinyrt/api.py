@@ -58,11 +58,13 @@ class LLM:
             self.backend = get_backend(device, threads)
         except ValueError as e:
             raise TinyrtError(str(e)) from None
-        self.model = load_model(self.directory, self.backend)
-        self.config = cfg = self.model.config
+        # the tokenizer first: its JSON parse peaks ~30 MB above what it keeps (freed, then
+        # trimmed), a peak that would otherwise come on top of the loaded model's memory
         self.tokenizer = load_tokenizer(self.directory)
         self.template = template_from_config(self.tokenizer.config)
-        trim_heap()              # the tokenizer's JSON parse leaves ~17 MB of freed heap behind
+        trim_heap()
+        self.model = load_model(self.directory, self.backend)
+        self.config = cfg = self.model.config
         self.generation_config = _generation_config(self.directory)
         size = kv_size or min(cfg.max_position_embeddings, DEFAULT_KV_SIZE)
         self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
