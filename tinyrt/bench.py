@@ -1,8 +1,8 @@
 """`tinyrt bench`: what a model costs on this machine. Load time; TTFT and prefill speed of a
 prompt of `prompt_tokens` tokens (WikiText-like text is not shipped, so the prompt is the Python
 documentation that calibrates AWQ); decode speed over `decode_tokens` greedy tokens (median of
-`runs` runs, EOS ignored); peak RSS; the bytes of weights a decoded token reads and the GB/s that
-makes."""
+`runs` runs, EOS ignored); peak RSS; the bytes a decoded token reads (weights, and the KV cache
+at its mean length over the decoded tokens) and the GB/s that makes."""
 
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
     ttft, decode = timed_runs(model, cache, ids, decode_tokens, runs)
     step = statistics.median(decode)
     per_token = weight_bytes(model)
+    row = cache.k[0, :, 0].nbytes                      # one slot of one layer's K: [kv_heads, D]
+    kv_per_token = 2 * cache.k.shape[0] * row * (prompt_tokens + decode_tokens / 2)
     return {
         "model": str(llm.directory), "device": model.backend.name,
         "threads": getattr(model.backend, "threads", None),
@@ -70,5 +72,6 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
         "prefill_tok_s": prompt_tokens / statistics.median(ttft),
         "decode_tokens": decode_tokens, "decode_tok_s": 1 / step,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "weight_mb_per_token": per_token / 1e6, "decode_gb_s": per_token / step / 1e9,
+        "weight_mb_per_token": per_token / 1e6, "kv_mb_per_token": kv_per_token / 1e6,
+        "decode_gb_s": (per_token + kv_per_token) / step / 1e9,
     }

@@ -45,5 +45,6 @@ def main(args: argparse.Namespace) -> int:
           f"  decode         {r['decode_tok_s']:8.1f} tok/s   (median of {args.runs} x "
           f"{r['decode_tokens']} tokens)\n"
           f"  peak RSS       {r['peak_rss_mb']:8.0f} MB\n"
-          f"  weights/token  {r['weight_mb_per_token']:8.1f} MB   -> {r['decode_gb_s']:.1f} GB/s")
+          f"  read/token     {r['weight_mb_per_token']:8.1f} MB weights + "
+          f"{r['kv_mb_per_token']:.1f} MB KV cache -> {r['decode_gb_s']:.1f} GB/s")
     return 0
