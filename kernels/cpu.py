@@ -13,9 +13,10 @@ One token runs each decoder layer as one fused kernel call (decode_layer); GEMVs
 attention split their work among threads.
 
 Prompts (more than GEMV_MAX_TOKENS tokens) dequantize a tile of a layer's columns at a time into a
-small scratch buffer and call BLAS through NumPy per tile; prompt attention is blocked BLAS
-matmuls (attention_prompt). The LM head is quantized at load to int8 per row (see prepare_head). Attention over the cache in decode, RMSNorm,
-RoPE and SiLU·mul are Numba loops.
+scratch buffer and call BLAS through NumPy per tile; prompt attention is blocked BLAS matmuls
+(attention_prompt). The LM head is quantized at load to int8 per row (see prepare_head).
+Attention over the cache in decode, RMSNorm, RoPE and SiLU·mul are Numba loops. The KV cache
+holds float16 (read as uint16 bits and converted in the loads) or float32.
 
 Every kernel compiles with cache=True: the first run of a fresh install compiles them (tens of
 seconds), later runs load machine code from the cache.
@@ -37,7 +38,7 @@ from . import awq_layout, reference, simd
 GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
 PROMPT_BLOCK = 128       # queries per block of prompt attention
 X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
-DEQUANT_TILE_BYTES = 8 << 20   # a prompt GEMM's dequantized weight tile (a whole layer of the default model)
+DEQUANT_TILE_BYTES = 8 << 20   # a prompt GEMM's dequantized tile: any layer of the default model
 
 # Typing decode_layer's call of attention_decode warns (once, when the cache is cold) that a
 # parallel function had nothing to parallelize; its prange does run in parallel (measured: one
@@ -551,8 +552,8 @@ class CpuBackend(reference.ReferenceBackend):
 
     def _prompt_linear(self, x: np.ndarray, w) -> np.ndarray:
         """x [T, in] @ W.T for a prompt: W dequantized a tile of columns at a time into a scratch
-        buffer of at most DEQUANT_TILE_BYTES, each tile one BLAS GEMM. The buffer stays small
-        (a whole gate/up layer would be 7 MB, the LM head 113 MB) and in cache for the GEMM."""
+        buffer of at most DEQUANT_TILE_BYTES, each tile one BLAS GEMM, so that the buffer stays
+        small where a layer is large (the default model's LM head would take 113 MB)."""
         n_out, n_in = w.shape if isinstance(w, Q4Linear) else w.q.shape
         cols = max(simd.LANES, DEQUANT_TILE_BYTES // (4 * n_in) // simd.LANES * simd.LANES)
         if self._scratch.size < n_in * cols:

@@ -1,4 +1,6 @@
-"""A vector loop that Numba cannot be made to write: the integer core of the 4-bit GEMV.
+"""Vector loops that Numba cannot be made to write: the integer core of the 4-bit GEMV, and the
+float16 (or float32) KV cache rows of decode attention (to_cache / from_cache, cache_dot,
+cache_axpy4, fmax at the end of the file).
 
 Numba types integer arithmetic in 64 bits, and LLVM's vectorizer then multiplies 4-bit codes by
 activations in 64-bit lanes. Written directly as LLVM vector IR, the same loop lowers to the
@@ -144,10 +146,10 @@ def to_cache(typingctx, x, buf):
     def codegen(context, builder, signature, args):
         if not _is_half(signature.args[1]):
             return args[0]
-        f32 = ir.FloatType()
+        top, bottom = ir.Constant(ir.FloatType(), HALF_MAX), ir.Constant(ir.FloatType(), -HALF_MAX)
         x = args[0]
-        x = builder.select(builder.fcmp_ordered(">", x, ir.Constant(f32, HALF_MAX)), ir.Constant(f32, HALF_MAX), x)
-        x = builder.select(builder.fcmp_ordered("<", x, ir.Constant(f32, -HALF_MAX)), ir.Constant(f32, -HALF_MAX), x)
+        x = builder.select(builder.fcmp_ordered(">", x, top), top, x)
+        x = builder.select(builder.fcmp_ordered("<", x, bottom), bottom, x)
         return builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16))
 
     return sig, codegen
@@ -171,11 +173,12 @@ def _row_pointer(context, builder, array_type, array, row):
     return cgutils.get_item_pointer(context, builder, array_type, arr, [row, zero])
 
 
-def _vector_at(builder, base, offset, element_type):
-    """The LANES elements at base + offset, as a vector (unaligned load)."""
-    vec = ir.VectorType(element_type, LANES)
-    ptr = builder.bitcast(builder.gep(base, [offset]), vec.as_pointer())
-    return builder.load(ptr, align=element_type.width // 8 if hasattr(element_type, "width") else 4)
+def _vector_at(builder, base, offset, half: bool):
+    """The LANES KV elements (uint16 float16 bits if half, else float32) at base + offset, as a
+    float32 vector (an unaligned load)."""
+    element = ir.IntType(16) if half else ir.FloatType()
+    ptr = builder.bitcast(builder.gep(base, [offset]), ir.VectorType(element, LANES).as_pointer())
+    return _to_float(builder, builder.load(ptr, align=2 if half else 4), half)
 
 
 @intrinsic
@@ -197,12 +200,12 @@ def cache_dot(typingctx, q, h, k, s, n):
         acc = cgutils.alloca_once_value(builder, ir.Constant(vec, None))
         zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
         with cgutils.for_range_slice(builder, zero, nv, step) as (d, _):
-            qv = _vector_at(builder, q_row, d, f32)
-            kv = _to_float(builder, _vector_at(builder, k_row, d, ir.IntType(16) if half else f32), half)
+            qv = _vector_at(builder, q_row, d, False)
+            kv = _vector_at(builder, k_row, d, half)
             builder.store(builder.fadd(builder.load(acc), builder.fmul(qv, kv, flags=["fast"]),
                                        flags=["fast"]), acc)
-        reduce = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(f32, [f32, vec]), f"llvm.vector.reduce.fadd.v{LANES}f32")
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vec]),
+                                                f"llvm.vector.reduce.fadd.v{LANES}f32")
         return builder.call(reduce, [ir.Constant(f32, 0), builder.load(acc)], fastmath=("fast",))
 
     return sig, codegen
@@ -217,10 +220,10 @@ def cache_axpy4(typingctx, e, i, v, s, out, h, n):
     sig = types.void(e, i, v, s, out, h, n)
 
     def codegen(context, builder, signature, args):
-        e_ty, i_ty, v_ty, s_ty, out_ty, h_ty, n_ty = signature.args
+        e_ty, _, v_ty, _, out_ty = signature.args[:5]
         intp = context.get_value_type(types.intp)
-        iv, sv, hv, nv = (context.cast(builder, a, t, types.intp)
-                          for a, t in ((args[1], i_ty), (args[3], s_ty), (args[5], h_ty), (args[6], n_ty)))
+        iv, sv, hv, nv = (context.cast(builder, args[j], signature.args[j], types.intp)
+                          for j in (1, 3, 5, 6))
         half = _is_half(v_ty)
         f32 = ir.FloatType()
         vec = ir.VectorType(f32, LANES)
@@ -241,7 +244,7 @@ def cache_axpy4(typingctx, e, i, v, s, out, h, n):
             ptr = builder.bitcast(builder.gep(out_row, [d]), vec.as_pointer())
             total = builder.load(ptr, align=4)
             for w, row in zip(weights, rows):
-                x = _to_float(builder, _vector_at(builder, row, d, ir.IntType(16) if half else f32), half)
+                x = _vector_at(builder, row, d, half)
                 total = builder.fadd(total, builder.fmul(w, x, flags=["fast"]), flags=["fast"])
             builder.store(total, ptr, align=4)
         return context.get_dummy_value()
