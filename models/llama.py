@@ -117,8 +117,20 @@ class LlamaModel:
 
         Returns logits [T, V] if `all_logits`, else [1, V] for the last token.
         """
-        h = self.hidden_states(tokens, cache)
-        return self.logits(h if all_logits else h[-1:])
+        tokens = np.asarray(tokens, dtype=np.int64)
+        step = cache.chunk
+        if len(tokens) <= step:
+            h = self.hidden_states(tokens, cache)
+            return self.logits(h if all_logits else h[-1:])
+        # a prompt longer than one pass may append: in chunks, the cache's policy applied between
+        out = []
+        for c in range(0, len(tokens), step):
+            h = self.hidden_states(tokens[c:c + step], cache)
+            if all_logits:
+                out.append(self.logits(h))
+        if all_logits:
+            return np.concatenate([self.backend.to_numpy(o) for o in out])
+        return self.logits(h[-1:])
 
     def logits(self, h):
         """Final hidden states [T, H] -> logits [T, V]."""
@@ -134,6 +146,8 @@ class LlamaModel:
         tokens = np.asarray(tokens, dtype=np.int64)
         T, Q, G, D = len(tokens), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         slots, pos = cache.allocate(T)
+        if cache.n_sink and cache.sink_shift != cache.rotated_shift:
+            self._rotate_sinks(cache)
         cos, sin = be.rope_tables(self.inv_freq, pos)
         k_pos = cache.slot_positions()
         x = be.embedding(self.embed, tokens)                               # [T, H]
@@ -157,3 +171,25 @@ class LlamaModel:
             gu = be.linear(h, L.gate_up)                                   # [T, 2I]
             x = x + be.linear(be.swiglu(gu), L.down)
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
+
+    def _rotate_sinks(self, cache) -> None:
+        """Rotate the attention sinks' cached keys to positions i + cache.sink_shift (see
+        kv_cache.SinkCache), from float32 copies of their un-rotated keys, taken the first time
+        from the cache itself (rotated by position i + rotated_shift)."""
+        be, n = self.backend, cache.n_sink
+        sinks = np.arange(n)
+        if cache.sink_keys is None:
+            cos, sin = be.rope_tables(self.inv_freq, sinks + cache.rotated_shift)
+            cache.sink_keys = np.stack([be.rope(_rows(be, k[:, :n]), cos, -sin)
+                                        for k in cache.k])            # [L, n, G, D]
+        cos, sin = be.rope_tables(self.inv_freq, sinks + cache.sink_shift)
+        for i in range(len(cache.sink_keys)):
+            k_buf, v_buf = cache.layer(i)
+            be.store_kv(k_buf, v_buf, sinks, be.rope(cache.sink_keys[i], cos, sin),
+                        _rows(be, v_buf[:, :n]))
+        cache.rotated_shift = cache.sink_shift
+
+
+def _rows(backend, buf) -> np.ndarray:
+    """Cache buffer rows [G, n, D] as float32 [n, G, D]."""
+    return np.ascontiguousarray(backend.to_numpy(buf).astype(np.float32).transpose(1, 0, 2))

@@ -13,7 +13,7 @@ from tinyrt.errors import ModelFormatError, TinyrtError
 from .chat_template import template_from_config
 from .generate import Generation, Response
 from .kernels import get_backend
-from .kv_cache import KVCache, kv_dtype
+from .kv_cache import kv_dtype, make_cache
 from .models import load_model, trim_heap
 from .registry import resolve
 from .sampling import Sampler, SamplingParams
@@ -51,7 +51,8 @@ class LLM:
     """
 
     def __init__(self, directory: str | os.PathLike, *, device: str = "auto",
-                 threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16"):
+                 threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
+                 kv_policy: str = "dense", sinks: int = 4):
         start = time.perf_counter()
         self.directory = Path(directory)
         try:
@@ -67,8 +68,8 @@ class LLM:
         self.config = cfg = self.model.config
         self.generation_config = _generation_config(self.directory)
         size = kv_size or min(cfg.max_position_embeddings, DEFAULT_KV_SIZE)
-        self.cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                             size, self.backend, kv_dtype(kv_type))
+        self.cache = make_cache(kv_policy, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                cfg.head_dim, size, self.backend, kv_dtype(kv_type), sinks)
         gen_eos = self.generation_config.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = {i for i in (*cfg.eos_token_ids, *gen_eos, self.tokenizer.eos_id)
@@ -104,8 +105,9 @@ class LLM:
                top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                repeat_penalty: float | None = None, seed: int | None = None,
                stop: Sequence[str] = (), system: str | None = None,
-               raw: bool = False) -> Iterator[Response]:
-        """Stream the reply to `prompt`, one `Response` per token; the last has `finish_reason`."""
+               raw: bool = False, ignore_eos: bool = False) -> Iterator[Response]:
+        """Stream the reply to `prompt`, one `Response` per token; the last has `finish_reason`.
+        `ignore_eos` goes on past end-of-sequence tokens (to max_tokens, or a full dense cache)."""
         ids = self.prompt_ids(prompt, system=system, raw=raw)
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      repeat_penalty=repeat_penalty)
@@ -115,8 +117,8 @@ class LLM:
             raise TinyrtError("max tokens must be positive")
         self.cache.reset()
         yield from Generation(self.model, self.cache, self.tokenizer, ids, sampler,
-                              max_tokens=max_tokens, eos_ids=self.eos_ids, stop=stop,
-                              load_s=self.load_s)
+                              max_tokens=max_tokens, eos_ids=() if ignore_eos else self.eos_ids,
+                              stop=stop, load_s=self.load_s)
 
     def generate(self, prompt: Prompt, **options) -> str:
         """The whole reply as text (options as for `stream`)."""
@@ -125,11 +127,11 @@ class LLM:
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto",
          threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
-         quiet: bool = False) -> LLM:
+         kv_policy: str = "dense", sinks: int = 4, quiet: bool = False) -> LLM:
     """Load a model: a model directory, a GGUF file or HF directory (converted once and cached),
     a known name, or None for the default model (fetched and converted on first use)."""
     start = time.perf_counter()
     llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, kv_size=kv_size,
-              kv_type=kv_type)
+              kv_type=kv_type, kv_policy=kv_policy, sinks=sinks)
     llm.load_s = time.perf_counter() - start
     return llm

@@ -84,8 +84,9 @@ class StopStrings:
 
 
 def check_fits(cache, n_prompt: int, context: int) -> None:
-    """A clear error, before any work, for a prompt the cache cannot take."""
-    if n_prompt > cache.free:
+    """A clear error, before any work, for a prompt the cache cannot take (a streaming cache
+    takes any prompt, in chunks)."""
+    if cache.policy == "dense" and n_prompt > cache.free:
         raise CacheFullError(
             f"the prompt has {n_prompt} tokens but the KV cache has room for {cache.free} "
             f"(size {cache.capacity}, model context {context}); shorten the prompt or use a larger "
@@ -123,7 +124,7 @@ class Generation:
         while True:
             history.append(tok)
             yield tok
-            if self.cache.free == 0:
+            if not self.cache.fits(1):
                 return
             step = time.perf_counter()
             logits = self._logits([tok])

@@ -1,7 +1,10 @@
 """Perplexity by the protocol of the AWQ papers: the text tokenized whole (as the tokenizer does for
 a prompt, BOS included where the model wants one), cut into non-overlapping windows of `ctx`
 tokens, each window run from an empty cache; the mean NLL over every predicted token (ctx - 1 per
-window; the tail shorter than a window is left out)."""
+window; the tail shorter than a window is left out).
+
+`stream_perplexity` is the streaming evaluation of the StreamingLLM paper: the text fed one token
+at a time through a cache of a given policy and size, each step's next-token NLL recorded."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import numpy as np
 
 from tinyrt.errors import TinyrtError
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, make_cache
 
 
 @dataclass
@@ -27,6 +30,15 @@ class Perplexity:
     def as_dict(self) -> dict:
         return {"ppl": self.ppl, "tokens": self.tokens, "windows": self.windows,
                 "seconds": self.seconds}
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log softmax(logits)[target] per row of logits [n, V] (float32, overwritten), in float64."""
+    target = logits[np.arange(len(targets)), targets].astype(np.float64)
+    m = logits.max(axis=1, keepdims=True)
+    logits -= m
+    np.exp(logits, out=logits)
+    return m[:, 0].astype(np.float64) + np.log(logits.sum(axis=1, dtype=np.float64)) - target
 
 
 def window_nll(model, ids: np.ndarray, cache, chunk: int = 256) -> float:
@@ -42,12 +54,7 @@ def window_nll(model, ids: np.ndarray, cache, chunk: int = 256) -> float:
         if b <= a:
             break
         logits = model.backend.to_numpy(model.logits(h[:b - a]))          # [n, V] float32
-        target = logits[np.arange(b - a), ids[a + 1:b + 1]].astype(np.float64)
-        m = logits.max(axis=1, keepdims=True)
-        logits -= m
-        np.exp(logits, out=logits)
-        lse = m[:, 0].astype(np.float64) + np.log(logits.sum(axis=1, dtype=np.float64))
-        total += float(np.sum(lse - target))
+        total += float(np.sum(_nll(logits, ids[a + 1:b + 1])))
     return total
 
 
@@ -76,3 +83,43 @@ def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
             progress(w + 1, windows)
     n = windows * (ctx - 1)
     return Perplexity(math.exp(nll / n), n, windows, time.perf_counter() - start)
+
+
+@dataclass
+class StreamPerplexity:
+    ppl: float
+    tokens: int                  # predicted tokens
+    seconds: float
+    nll: np.ndarray              # [tokens] float64, the NLL of each predicted token in order
+
+    def ppl_of(self, start: int, stop: int) -> float:
+        """Perplexity over predicted tokens [start, stop)."""
+        return math.exp(float(self.nll[start:stop].mean()))
+
+    def as_dict(self) -> dict:
+        return {"ppl": self.ppl, "tokens": self.tokens, "windows": 1, "seconds": self.seconds}
+
+
+def stream_perplexity(llm, text: str, *, policy: str, kv_size: int, sinks: int = 4,
+                      max_tokens: int | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> StreamPerplexity:
+    """Feed `text` (tokenized whole, cut at `max_tokens`) one token at a time through a fresh
+    cache of `policy` and `kv_size`; perplexity over every next-token prediction. A dense cache
+    must hold the whole text."""
+    ids = np.asarray(llm.tokenizer.encode(text, add_special=True), dtype=np.int64)[:max_tokens]
+    if len(ids) < 2:
+        raise TinyrtError(f"the text has {len(ids)} tokens: nothing to predict")
+    cfg = llm.config
+    cache = make_cache(policy, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                       kv_size, llm.backend, llm.cache.k.dtype, sinks)
+    if not cache.fits(len(ids) - 1) and policy == "dense":
+        raise TinyrtError(f"a dense cache of {kv_size} cannot hold {len(ids) - 1} tokens: use "
+                          "--kv-size at least that, or a streaming policy")
+    start = time.perf_counter()
+    nll = np.empty(len(ids) - 1)
+    for t in range(len(ids) - 1):
+        logits = llm.model.backend.to_numpy(llm.model.forward(ids[t:t + 1], cache))
+        nll[t] = _nll(logits, ids[t + 1:t + 2])[0]
+        if progress and (t % 64 == 63 or t == len(ids) - 2):
+            progress(t + 1, len(ids) - 1)
+    return StreamPerplexity(math.exp(float(nll.mean())), len(nll), time.perf_counter() - start, nll)

@@ -16,6 +16,8 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("-n", "--max-tokens", type=int, default=512, help="most tokens to generate")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="go on past end-of-sequence tokens, to --max-tokens")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default unless the model asks otherwise)")
     g.add_argument("--top-k", type=int, default=None, help="when sampling; 0 = off (default 40)")
     g.add_argument("--top-p", type=float, default=None, help="when sampling; 1 = off (default 0.95)")
@@ -26,7 +28,11 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text appears (repeatable)")
     r = p.add_argument_group("runtime")
-    r.add_argument("--kv-policy", choices=["dense"], default="dense", help="KV cache policy")
+    r.add_argument("--kv-policy", choices=["dense", "sink"], default="dense",
+                   help="KV cache policy: dense (fill, then stop) or sink (StreamingLLM: keep "
+                        "the first --sinks tokens and a ring of the most recent; streams forever)")
+    r.add_argument("--sinks", type=int, default=4,
+                   help="attention sinks kept by --kv-policy sink (0: a plain sliding window)")
     r.add_argument("--kv-size", type=int, default=None,
                    help="KV cache size in tokens (default: the model context, at most 4096)")
     r.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
@@ -39,11 +45,11 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments for `LLM.stream` from parsed options."""
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                seed=args.seed, stop=args.stop, system=args.system)
+                seed=args.seed, stop=args.stop, system=args.system, ignore_eos=args.ignore_eos)
 
 
 def load_llm(args: argparse.Namespace):
     import tinyrt
 
     return tinyrt.load(args.model, device=args.device, threads=args.threads, kv_size=args.kv_size,
-                       kv_type=args.kv_type)
+                       kv_type=args.kv_type, kv_policy=args.kv_policy, sinks=args.sinks)

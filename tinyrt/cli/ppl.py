@@ -14,7 +14,9 @@ from .options import add_model_option
 def add_parser(sub) -> None:
     p = sub.add_parser("ppl", help="perplexity on a text file",
                        description="Perplexity by the AWQ papers' protocol: the text tokenized "
-                                   "whole, non-overlapping windows of --ctx tokens.")
+                                   "whole, non-overlapping windows of --ctx tokens. With --stream, "
+                                   "the StreamingLLM protocol: the text fed one token at a time "
+                                   "through a KV cache of --kv-policy and --kv-size.")
     add_model_option(p)
     p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m")
     p.add_argument("--text", required=True, metavar="FILE")
@@ -25,11 +27,17 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
                    help="KV cache element type (default f16)")
+    st = p.add_argument_group("streaming (--stream)")
+    st.add_argument("--stream", action="store_true", help="token by token through a KV cache")
+    st.add_argument("--kv-policy", choices=["dense", "sink"], default="sink")
+    st.add_argument("--kv-size", type=int, default=1024)
+    st.add_argument("--sinks", type=int, default=4)
+    st.add_argument("--max-tokens", type=int, default=None, help="use the text's first tokens")
 
 
 def main(args: argparse.Namespace) -> int:
     import tinyrt
-    from tinyrt.perplexity import perplexity
+    from tinyrt.perplexity import perplexity, stream_perplexity
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -50,9 +58,18 @@ def main(args: argparse.Namespace) -> int:
         bar.update(task, completed=done)
 
     with bar:
-        result = perplexity(llm, text, ctx=args.ctx, max_windows=args.max_windows, progress=progress)
+        if args.stream:
+            result = stream_perplexity(llm, text, policy=args.kv_policy, kv_size=args.kv_size,
+                                       sinks=args.sinks, max_tokens=args.max_tokens,
+                                       progress=progress)
+        else:
+            result = perplexity(llm, text, ctx=args.ctx, max_windows=args.max_windows,
+                                progress=progress)
     if args.json:
         print(json.dumps(result.as_dict()))
+    elif args.stream:
+        print(f"ppl {result.ppl:.4f} over {result.tokens} tokens streamed through a "
+              f"{args.kv_policy} cache of {args.kv_size}, {result.seconds:.1f} s")
     else:
         print(f"ppl {result.ppl:.4f} over {result.tokens} tokens ({result.windows} windows of "
               f"{args.ctx}), {result.seconds:.1f} s")

@@ -1,0 +1,147 @@
+"""KV cache policies on the real model, by the StreamingLLM paper's streaming evaluation (the text
+fed one token at a time, each next-token NLL recorded, the policy applied as the cache fills):
+
+    python benchmarks/kv_policies.py MODEL --text wikitext2-test.txt quality [--tokens 8192]
+        dense (the whole text in context), sink 4 + 1020, window 0 + 1024: PPL and ratios
+    python benchmarks/kv_policies.py MODEL --text ... long [--tokens 32768]
+        sink 4 + 1020 over a stream past the model's context: PPL of the first and last 8192
+        tokens, RSS when the cache fills and at the end
+    python benchmarks/kv_policies.py MODEL --text ... budget [--tokens 2048] [--plot FILE.png]
+        PPL against cache budget for window and sink (dense: the whole text, a line)
+    python benchmarks/kv_policies.py MODEL speed [--kv-size 1024]
+        decode ms per token, dense (cache nearly full) against sink (cache full, sinks
+        re-rotated every step), same cache size, medians
+
+Needs matplotlib for --plot (not a CI dependency).
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def stream(llm, text, policy, size, sinks, tokens, progress=None):
+    from tinyrt.perplexity import stream_perplexity
+
+    return stream_perplexity(llm, text, policy=policy, kv_size=size, sinks=sinks,
+                             max_tokens=tokens, progress=progress)
+
+
+def quality(llm, text, args):
+    runs = {"dense": ("dense", args.tokens, 0), "sink 4+1020": ("sink", 1024, 4),
+            "window 0+1024": ("sink", 1024, 0)}
+    out = {}
+    for name, (policy, size, sinks) in runs.items():
+        r = stream(llm, text, policy, size, sinks, args.tokens)
+        out[name] = r.ppl
+        print(f"{name:14s} ppl {r.ppl:9.4f}  ({r.tokens} tokens, {r.seconds:.0f} s)", flush=True)
+    for name in ("sink 4+1020", "window 0+1024"):
+        print(f"{name} / dense: {out[name] / out['dense']:.3f}")
+    return out
+
+
+def long(llm, text, args):
+    seen = {}
+
+    def progress(done, total):
+        if done >= 1024 and "full" not in seen:
+            seen["full"] = rss_mb()
+        seen["peak"] = max(seen.get("peak", 0), rss_mb())
+
+    r = stream(llm, text, "sink", 1024, 4, args.tokens, progress)
+    first, last = r.ppl_of(0, 8192), r.ppl_of(r.tokens - 8192, r.tokens)
+    print(f"sink 4+1020 over {r.tokens} tokens ({r.seconds:.0f} s): ppl first 8192 {first:.4f}, "
+          f"last 8192 {last:.4f} (ratio {last / first:.3f}); RSS when the cache filled "
+          f"{seen['full']:.0f} MB, highest after {seen['peak']:.0f} MB, at the end {rss_mb():.0f} MB")
+    return {"first": first, "last": last, "rss_full": seen["full"], "rss_peak": seen["peak"]}
+
+
+def budget(llm, text, args):
+    budgets = [64, 128, 256, 512, 1024]
+    dense = stream(llm, text, "dense", args.tokens, 0, args.tokens).ppl
+    curves = {"window": [], "sink (4)": []}
+    for b in budgets:
+        curves["window"].append(stream(llm, text, "sink", b, 0, args.tokens).ppl)
+        curves["sink (4)"].append(stream(llm, text, "sink", b, 4, args.tokens).ppl)
+        print(f"budget {b:5d}: window {curves['window'][-1]:9.3f}  sink {curves['sink (4)'][-1]:8.3f}"
+              f"  (dense {dense:.3f})", flush=True)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, ys in curves.items():
+            ax.plot(budgets, ys, marker="o", label=name)
+        ax.axhline(dense, color="gray", linestyle="--", label=f"dense ({args.tokens} in context)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("KV cache budget (tokens)")
+        ax.set_ylabel("perplexity (streaming)")
+        ax.set_title(f"SmolLM2-135M, first {args.tokens} tokens of WikiText-2 test")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot: {args.plot}")
+    return {"budgets": budgets, "dense": dense, **curves}
+
+
+def speed(llm, args):
+    from tinyrt.kv_cache import make_cache
+
+    cfg, model = llm.config, llm.model
+    ids = np.random.default_rng(0).integers(100, 10000, 2 * args.kv_size)
+    out = {}
+    for policy, prompt in (("dense", args.kv_size - 129), ("sink", 2 * args.kv_size - 128)):
+        cache = make_cache(policy, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                           args.kv_size, llm.backend, llm.cache.k.dtype, 4)
+        model.forward(ids[:prompt], cache)
+        steps = []
+        for t in ids[prompt:prompt + 128]:
+            start = time.perf_counter()
+            model.forward([t], cache)
+            steps.append(time.perf_counter() - start)
+        out[policy] = statistics.median(steps) * 1e3
+        print(f"{policy:6s} decode {out[policy]:.2f} ms per token (median of 128, cache of "
+              f"{args.kv_size}, {cache.length} held)", flush=True)
+    print(f"sink / dense: {out['sink'] / out['dense']:.3f}")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("what", choices=["quality", "long", "budget", "speed"])
+    p.add_argument("--text")
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--kv-size", type=int, default=1024)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    import tinyrt
+
+    llm = tinyrt.load(args.model, device="cpu", threads=args.threads)
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else None
+    defaults = {"quality": 8192, "long": 32768, "budget": 2048}
+    args.tokens = args.tokens or defaults.get(args.what)
+    result = {"quality": lambda: quality(llm, text, args), "long": lambda: long(llm, text, args),
+              "budget": lambda: budget(llm, text, args), "speed": lambda: speed(llm, args)}[args.what]()
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""KV cache policies: the slot tables, and the streaming caches against a plain NumPy oracle that
+rebuilds every step's attention from the kept tokens and their positions within the cache."""
+
+import numpy as np
+import pytest
+
+import tinyrt
+from helpers import tiny_config, write_tiny_model
+from tinyrt.errors import CacheFullError, TinyrtError
+from tinyrt.kernels import get_backend, reference as ref
+from tinyrt.kv_cache import KVCache, SinkCache, make_cache
+
+rng = np.random.default_rng()
+
+
+def test_sink_slots_and_positions():
+    c = SinkCache(1, 1, 4, 8, get_backend("reference"), n_sink=2)     # window of 6
+    slots, pos = c.allocate(5)
+    assert list(slots) == [0, 1, 2, 3, 4] and list(pos) == [0, 1, 2, 3, 4] and c.sink_shift == 0
+    slots, pos = c.allocate(4)                    # positions 5..8: 5, 6, 7 fill, 8 evicts 2
+    assert list(slots) == [5, 6, 7, 2] and list(pos) == [5, 6, 7, 8]
+    assert c.length == c.span == 8 and c.sink_shift == 1
+    assert sorted(c.slot_positions()) == [0, 1, 3, 4, 5, 6, 7, 8]
+    for _ in range(20):                           # the sinks stay, the window is the last 6
+        c.allocate(1)
+    assert sorted(c.slot_positions()) == [0, 1] + list(range(23, 29)) and c.sink_shift == 21
+    assert c.fits(6) and not c.fits(7)
+    with pytest.raises(CacheFullError, match="exceed the window"):
+        c.allocate(7)
+    with pytest.raises(ValueError, match="evicted"):
+        c.rollback(1)
+    c.reset()
+    assert c.length == c.next_pos == 0 and (c.slot_pos == -1).all()
+    c.allocate(3)
+    c.rollback(2)                                 # nothing evicted yet: allowed
+    assert c.next_pos == 1 and list(c.slot_positions()) == [0]
+
+
+def test_window_is_sink_without_sinks():
+    c = SinkCache(1, 1, 4, 5, get_backend("reference"), n_sink=0)
+    for _ in range(12):
+        c.allocate(1)
+    assert sorted(c.slot_positions()) == list(range(7, 12)) and c.sink_shift == 7
+
+
+def test_policy_errors():
+    be = get_backend("reference")
+    with pytest.raises(TinyrtError, match="unknown KV cache policy"):
+        make_cache("lru", 1, 1, 4, 8, be)
+    with pytest.raises(CacheFullError, match="--sinks 8"):
+        make_cache("sink", 1, 1, 4, 8, be, n_sink=8)
+    with pytest.raises(CacheFullError, match="--kv-policy sink"):
+        KVCache(1, 1, 4, 8, be).allocate(9)
+
+
+class Oracle:
+    """StreamingLLM by its definition, in NumPy: every token's un-rotated K and V are kept as
+    first computed; a chunk of new tokens first evicts (the window holds the last W tokens once
+    the chunk is in), then each of its queries attends over the sinks and the window tokens up
+    to itself, queries and keys rotated at their positions within the cache (sinks 0..n_sink-1,
+    then the window in order)."""
+
+    def __init__(self, model, n_sink: int, capacity: int):
+        self.m, self.n_sink, self.window = model, n_sink, capacity - n_sink
+        L = model.config.num_hidden_layers
+        self.k, self.v = [[] for _ in range(L)], [[] for _ in range(L)]     # per token [G, D]
+
+    def forward(self, tokens) -> np.ndarray:
+        m, cfg = self.m, self.m.config
+        n, T = len(self.k[0]), len(tokens)
+        Q, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        first = max(self.n_sink, n + T - self.window)           # oldest window token kept
+        kept = [j for j in range(n + T) if j < self.n_sink or j >= first]
+        cache_pos = {j: (j if j < self.n_sink else self.n_sink + j - first) for j in kept}
+        q_pos = np.array([cache_pos[n + t] for t in range(T)])
+        k_pos = np.array([cache_pos[j] for j in kept])
+        x = ref.embedding(m.embed, np.asarray(tokens))
+        for i, L in enumerate(m.layers):
+            qkv = ref.linear(ref.rmsnorm(x, L.input_norm, cfg.rms_norm_eps), L.qkv)
+            q = qkv[:, :Q * D].reshape(T, Q, D)
+            self.k[i] += list(qkv[:, Q * D:(Q + G) * D].reshape(T, G, D))
+            self.v[i] += list(qkv[:, (Q + G) * D:].reshape(T, G, D))
+            q = ref.rope(q, *ref.rope_tables(m.inv_freq, q_pos))
+            k = ref.rope(np.stack([self.k[i][j] for j in kept]), *ref.rope_tables(m.inv_freq, k_pos))
+            v = np.stack([self.v[i][j] for j in kept])
+            a = ref.attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), q_pos, k_pos, m.scale)
+            x = x + ref.linear(a.reshape(T, Q * D), L.o)
+            gu = ref.linear(ref.rmsnorm(x, L.post_norm, cfg.rms_norm_eps), L.gate_up)
+            x = x + ref.linear(ref.ReferenceBackend.swiglu(gu), L.down)
+        return ref.linear(ref.rmsnorm(x[-1:], m.norm, cfg.rms_norm_eps), m.lm_head)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = tiny_config(num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    return write_tiny_model(tmp_path_factory.mktemp("kv") / "m", cfg, seed=3)
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+@pytest.mark.parametrize("n_sink", [4, 0])
+def test_sink_cache_agrees_with_the_oracle_over_thousands_of_steps(tiny, device, n_sink):
+    """2000 one-token steps through a 24-slot cache (about 100 wrap-arounds of the window), after
+    a 40-token prompt that goes in chunks: the logits of every step within 1e-4."""
+    llm = tinyrt.LLM(tiny, device=device, kv_size=24, kv_type="f32", kv_policy="sink",
+                     sinks=n_sink)
+    oracle = Oracle(tinyrt.LLM(tiny, device="reference").model, n_sink, 24)
+    cache, model = llm.cache, llm.model
+    prompt = rng.integers(0, 320, 40)
+    want = oracle_prompt = None
+    for c in range(0, len(prompt), cache.chunk):          # the oracle takes the same chunks
+        oracle_prompt = oracle.forward(prompt[c:c + cache.chunk])
+    got = model.forward(prompt, cache)
+    assert np.abs(got - oracle_prompt).max() <= 1e-4 * np.abs(oracle_prompt).max()
+    worst = 0.0
+    for t in rng.integers(0, 320, 2000):
+        got, want = model.forward([t], cache), oracle.forward([t])
+        worst = max(worst, np.abs(got - want).max() / np.abs(want).max())
+    assert cache.sink_shift == 40 + 2000 - 24 and worst <= 1e-4, worst
+
+
+def test_float16_sink_cache_stays_close(tiny):
+    """The default float16 cache, re-rotating its sinks 2000 times: no drift beyond float16's
+    rounding of the cached rows."""
+    llm = tinyrt.LLM(tiny, device="cpu", kv_size=24, kv_policy="sink", sinks=4)
+    oracle = Oracle(tinyrt.LLM(tiny, device="reference").model, 4, 24)
+    worst = 0.0
+    for t in rng.integers(0, 320, 2000):
+        got, want = llm.model.forward([t], llm.cache), oracle.forward([t])
+        worst = max(worst, np.abs(got - want).max() / np.abs(want).max())
+    assert worst <= 1e-2, worst
+
+
+def test_dense_stops_at_its_size_and_sink_streams_past_it(tiny):
+    dense = tinyrt.LLM(tiny, kv_size=16)
+    with pytest.raises(CacheFullError, match="room for 16"):
+        dense.generate("hello " * 30, raw=True, max_tokens=4)
+    n_prompt = len(dense.prompt_ids("hi", raw=True))
+    replies = list(dense.stream("hi", raw=True, max_tokens=100, temperature=1, seed=0,
+                                ignore_eos=True))
+    tokens = [r.token for r in replies if r.token is not None]
+    assert len(tokens) == 16 - n_prompt + 1 and replies[-1].finish_reason == "length"
+    sink = tinyrt.LLM(tiny, kv_size=16, kv_policy="sink")
+    replies = list(sink.stream("hello " * 30, raw=True, max_tokens=300, temperature=1, seed=0,
+                               ignore_eos=True))
+    assert sum(r.token is not None for r in replies) == 300 and replies[-1].finish_reason == "length"
+    assert sink.cache.next_pos > 300 and sink.cache.length == 16
