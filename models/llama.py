@@ -118,19 +118,15 @@ class LlamaModel:
         Returns logits [T, V] if `all_logits`, else [1, V] for the last token.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
-        step = cache.chunk
-        if len(tokens) <= step:
-            h = self.hidden_states(tokens, cache)
-            return self.logits(h if all_logits else h[-1:])
-        # a prompt longer than one pass may append: in chunks, the cache's policy applied between
-        out = []
-        for c in range(0, len(tokens), step):
+        out, step = [], cache.chunk
+        # more tokens than one pass may append go in chunks, the cache's policy applied between
+        for c in range(0, max(len(tokens), 1), step):
             h = self.hidden_states(tokens[c:c + step], cache)
             if all_logits:
                 out.append(self.logits(h))
-        if all_logits:
-            return np.concatenate([self.backend.to_numpy(o) for o in out])
-        return self.logits(h[-1:])
+        if not all_logits:
+            return self.logits(h[-1:])
+        return out[0] if len(out) == 1 else np.concatenate([self.backend.to_numpy(o) for o in out])
 
     def logits(self, h):
         """Final hidden states [T, H] -> logits [T, V]."""
