@@ -78,7 +78,7 @@ def test_dense_cache_full_is_a_clear_error(tmp_path):
     d = write_tiny_model(tmp_path / "m", tiny_config())
     m, cache = _ours(d, capacity=16)
     m.forward(np.arange(10), cache)
-    with pytest.raises(CacheFullError, match="sink or h2o"):
+    with pytest.raises(CacheFullError, match="--kv-policy sink"):
         m.forward(np.arange(7), cache)
     assert cache.length == 10  # nothing was appended
 
