@@ -171,11 +171,11 @@ class LlamaModel:
     def _rotate_sinks(self, cache) -> None:
         """Rotate the attention sinks' cached keys to positions i + cache.sink_shift (see
         kv_cache.SinkCache), from float32 copies of their un-rotated keys, taken the first time
-        from the cache itself (rotated by position i + rotated_shift)."""
+        from the cache itself (sink i still rotated by its own position i then)."""
         be, n = self.backend, cache.n_sink
         sinks = np.arange(n)
         if cache.sink_keys is None:
-            cos, sin = be.rope_tables(self.inv_freq, sinks + cache.rotated_shift)
+            cos, sin = be.rope_tables(self.inv_freq, sinks)
             cache.sink_keys = np.stack([be.rope(_rows(be, k[:, :n]), cos, -sin)
                                         for k in cache.k])            # [L, n, G, D]
         cos, sin = be.rope_tables(self.inv_freq, sinks + cache.sink_shift)

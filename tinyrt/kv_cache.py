@@ -121,7 +121,7 @@ class SinkCache(KVCache):
         super().__init__(n_layers, kv_heads, head_dim, capacity, backend, dtype)
         self.n_sink = n_sink
         self.window = capacity - n_sink
-        self.sink_keys = None        # float32 [n_layers, kv_heads, n_sink, D], un-rotated
+        self.sink_keys = None        # float32 [n_layers, n_sink, kv_heads, D], un-rotated
         self.rotated_shift = 0       # the shift the cached sink keys are rotated for
 
     @property
