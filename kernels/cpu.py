@@ -331,22 +331,25 @@ ATTENTION_MIN_SLOTS = 128   # fewest cache slots per task of decode attention
 
 
 @njit(fastmath=True, cache=True)
-def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, total):
+def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, total, probs):
     """Softmax attention of one query per head q [Q, D] over the cache slots [s0, s1), not yet
     normalized: per head, top = the largest score, total = sum of e**(score - top), and
-    out [Q, D] = sum of e**(score - top) * v. k, v: cache buffers [G, S, D] of float16 bits
-    (uint16) or float32. The R query heads of a KV head read its rows while they are in cache;
-    the vector parts are simd.cache_dot / cache_axpy4, the last D % LANES columns a loop."""
+    out [Q, D] = sum of e**(score - top) * v; probs [Q, S] (when not empty) gets the
+    e**(score - top). k, v: cache buffers [G, S, D] of float16 bits (uint16) or float32; k_pos
+    [G, S] the positions their slots hold. The R query heads of a KV head read its rows while
+    they are in cache; the vector parts are simd.cache_dot / cache_axpy4, the last D % LANES
+    columns a loop."""
     Q, D = q.shape
     G = k.shape[0]
     R = Q // G
     n = s1 - s0
     Dv = D - D % simd.LANES
     scores = np.empty((R, n), np.float32)
+    keep = probs.shape[1] > 0
     for g in range(G):
-        kg, vg = k[g], v[g]
+        kg, vg, pg = k[g], v[g], k_pos[g]
         for s in range(s0, s1):
-            p = k_pos[s]
+            p = pg[s]
             if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
                 for r in range(R):
                     scores[r, s - s0] = -np.inf
@@ -365,6 +368,8 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, tot
             if m == -np.inf:                 # no visible slot here
                 total[h] = 0
                 sr[:] = 0
+                if keep:
+                    probs[h, s0:s1] = 0
                 continue
             t = np.float32(0)
             for i in range(n):
@@ -372,6 +377,8 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, tot
                 sr[i] = e                    # below: harmless, cached values are finite (to_cache)
                 t += e
             total[h] = t
+            if keep:
+                probs[h, s0:s1] = sr
             s = s0
             while s + 4 <= s1:
                 simd.cache_axpy4(sr, s - s0, vg, s, out, h, Dv)
@@ -387,13 +394,17 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, tot
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
-def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads):
+def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
     """One query per head over the cache: q [Q, D]; k, v [G, S', D] whole cache buffers of which
-    the first len(k_pos) slots are read; k_pos -1 = free slot; window <= 0 means none.
-    Returns [Q, D]. Up to `threads` tasks each take a range of slots for all heads (so every K/V
-    row is read once); their partial softmaxes are merged at the end."""
+    the first S slots are read, k_pos [G, S] their positions (-1 = free slot); window <= 0 means
+    none. score [G, S'] gets each slot's attention weights added (summed over the query heads
+    of its KV head), unless it is empty ([G, 0]). Returns [Q, D]. Up to `threads` tasks each
+    take a range of slots for all heads (so every K/V row is read once); their partial
+    softmaxes are merged at the end."""
     Q, D = q.shape
-    S = k_pos.shape[0]
+    G, S = k_pos.shape
+    keep = score.shape[1] > 0
+    probs = np.empty((Q if keep else 1, S if keep else 0), np.float32)
     tasks = max(1, min(threads, S // ATTENTION_MIN_SLOTS))
     step = (S + tasks - 1) // tasks
     outs = np.zeros((tasks, Q, D), np.float32)
@@ -401,7 +412,7 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads):
     totals = np.empty((tasks, Q), np.float32)
     for t in prange(tasks):
         _attention_slots(q, k, v, q_pos, k_pos, scale, window, t * step, min(S, t * step + step),
-                         outs[t], tops[t], totals[t])
+                         outs[t], tops[t], totals[t], probs)
     out = np.zeros((Q, D), np.float32)
     for h in range(Q):
         m = np.float32(-np.inf)
@@ -414,16 +425,24 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads):
                 denom += f * totals[t, h]
                 out[h] += f * outs[t, h]
         out[h] /= denom
+        if keep:                             # the weights: e**(score - top_t) * e**(top_t - m) / denom
+            sg = score[h // (Q // G)]
+            for t in range(tasks):
+                if totals[t, h] > 0:
+                    f = exp(tops[t, h] - m) / denom
+                    for s in range(t * step, min(S, t * step + step)):
+                        sg[s] += probs[h, s] * f
     return out
 
 
 @njit(cache=True)
 def store_kv(k_buf, v_buf, slots, k, v):
-    """k, v float32 [T, G, D] -> cache buffers [G, S, D] (float16 bits or float32) at slots [T]."""
+    """k, v float32 [T, G, D] -> cache buffers [G, S, D] (float16 bits or float32), KV head g's
+    rows at its slots slots[g] ([G, T])."""
     T, G, D = k.shape
     for t in range(T):
-        s = slots[t]
         for g in range(G):
+            s = slots[g, t]
             for d in range(D):
                 k_buf[g, s, d] = simd.to_cache(k[t, g, d], k_buf)
                 v_buf[g, s, d] = simd.to_cache(v[t, g, d], v_buf)
@@ -459,15 +478,16 @@ def _masked_softmax(s, q_pos, k_pos, window, sums):
             sums[h, b] = t
 
 
-def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, block=PROMPT_BLOCK):
-    """reference.attention for a prompt q [T, Q, D], in blocks of queries: each block's scores
+def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, score=None, block=PROMPT_BLOCK):
+    """reference.attention for a prompt q [T, Q, D] over slots of positions k_pos [G, S] (score
+    as there), in blocks of queries: each block's scores
     [R, block, S] for the R query heads of a KV head stay in the L2 cache through the softmax
     (one Numba pass: mask, max, exp, sum), slots after the last one a block sees are skipped
     (with slots in position order, the causal half of the work), and the normalization divides
     the [.., D] output instead of the [.., S] probabilities. Matmuls by BLAS, over float32
     copies of float16 caches made once per call."""
     T, Q, D = q.shape
-    G, S = k.shape[0], len(k_pos)
+    G, S = k_pos.shape
     R = Q // G
     k, v = np.asarray(k[:, :S], np.float32), np.asarray(v[:, :S], np.float32)
     out = np.empty((T, Q, D), np.float32)
@@ -475,11 +495,13 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, block=PROMPT_BLO
     sums = np.empty((R, block), np.float32)
     for b in range(0, T, block):
         e = min(T, b + block)
-        seen = np.flatnonzero((k_pos >= 0) & (k_pos <= q_pos[b:e].max()))
-        n = int(seen[-1]) + 1 if len(seen) else S          # slots past n: unseen by the block
         for g in range(G):
+            seen = np.flatnonzero((k_pos[g] >= 0) & (k_pos[g] <= q_pos[b:e].max()))
+            n = int(seen[-1]) + 1 if len(seen) else S      # slots past n: unseen by the block
             s = (qs[g * R:(g + 1) * R, b:e].reshape(-1, D) @ k[g, :n].T).reshape(R, e - b, n)
-            _masked_softmax(s, q_pos[b:e], k_pos, window or 0, sums[:, :e - b])
+            _masked_softmax(s, q_pos[b:e], k_pos[g], window or 0, sums[:, :e - b])
+            if score is not None:            # the weights s / sums, summed over heads and queries
+                score[g, :n] += (1 / sums[:, :e - b]).reshape(-1) @ s.reshape(-1, n)
             o = (s.reshape(-1, n) @ v[g, :n]).reshape(R, e - b, D)
             o /= sums[:, :e - b, None]
             out[b:e, g * R:(g + 1) * R] = o.transpose(1, 0, 2)
@@ -491,9 +513,10 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, block=PROMPT_BLO
 @njit(fastmath=True, cache=True)
 def decode_layer(x, in_norm, post_norm, eps,
                  qkv_w, qkv_s, qkv_z, o_w, o_s, o_z, gu_w, gu_s, gu_z, d_w, d_s, d_z,
-                 k_buf, v_buf, slot, pos, k_pos, cos, sin, n_heads, scale, window, threads):
-    """One token x [H] through one decoder layer of 4-bit linears, in place; its K/V go to `slot`
-    of the cache buffers k_buf, v_buf [G, S, D] (k_pos already holds its position `pos`). The
+                 k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
+    """One token x [H] through one decoder layer of 4-bit linears, in place; its K/V go to
+    `slots` [G, 1] of the cache buffers k_buf, v_buf [G, S, D] (k_pos [G, S] already holds its
+    position `pos`; score as for attention_decode). The
     same ops as the decoder (models.llama) runs one by one, in a single call, so the costs of a
     call from Python are paid once per layer."""
     G, D = k_buf.shape[0], k_buf.shape[2]
@@ -503,9 +526,8 @@ def decode_layer(x, in_norm, post_norm, eps,
     q4_gemv(h, qkv_w, qkv_s, qkv_z, qkv, threads)
     q = rope(qkv[:Qd].reshape(1, n_heads, D), cos, sin)[0]
     k = rope(qkv[Qd:Qd + Gd].reshape(1, G, D), cos, sin)[0]
-    store_kv(k_buf, v_buf, np.array([slot]), k.reshape(1, G, D),
-             qkv[Qd + Gd:].reshape(1, G, D))
-    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads)
+    store_kv(k_buf, v_buf, slots, k.reshape(1, G, D), qkv[Qd + Gd:].reshape(1, G, D))
+    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads, score)
     y = np.empty(x.shape[0], np.float32)
     q4_gemv(a.reshape(-1), o_w, o_s, o_z, y, threads)
     x += y
@@ -519,6 +541,14 @@ def decode_layer(x, in_norm, post_norm, eps,
 
 
 # -- the backend ---------------------------------------------------------------------------------
+
+_NO_SCORES = np.zeros((1, 0), np.float32)
+
+
+def _scores(score):
+    """An H2O score table [G, S] for the kernels, or an empty one: keep none."""
+    return _NO_SCORES if score is None else score
+
 
 def _bits(buf: np.ndarray) -> np.ndarray:
     """A KV buffer as the kernels take it: float16 as its uint16 bits (Numba's CPU target has no
@@ -588,16 +618,16 @@ class CpuBackend(reference.ReferenceBackend):
     def fused_decode(self, layer) -> bool:
         return all(isinstance(w, Q4Linear) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
-    def decode_layer(self, x, layer, k_buf, v_buf, slot, pos, k_pos, cos, sin, *, eps, n_heads,
-                     scale, window=None):
+    def decode_layer(self, x, layer, k_buf, v_buf, slots, pos, k_pos, score, cos, sin, *, eps,
+                     n_heads, scale, window=None):
         """One token x [1, H] through a decoder layer (see the kernel decode_layer)."""
         x = np.array(x, np.float32).reshape(-1)
         lins = []
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
             lins += [w.w, w.s, w.z]
         decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, _bits(k_buf),
-                     _bits(v_buf), slot, pos, k_pos, cos, sin, n_heads, np.float32(scale),
-                     window or 0, self.threads)
+                     _bits(v_buf), slots, pos, k_pos, _scores(score), cos, sin, n_heads,
+                     np.float32(scale), window or 0, self.threads)
         return x[None]
 
     def rmsnorm(self, x, w, eps):
@@ -609,14 +639,15 @@ class CpuBackend(reference.ReferenceBackend):
     def swiglu(self, gu):
         return swiglu(np.ascontiguousarray(gu, dtype=np.float32))
 
-    def attention(self, q, k, v, q_pos, k_pos, scale, window=None):
-        if q.ndim == 3 and q.shape[0] == 1:
+    def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None):
+        if q.ndim == 4:
+            return reference.attention(q, k, v, q_pos, k_pos, scale, window, score)
+        k_pos = np.ascontiguousarray(np.broadcast_to(k_pos, (k.shape[0], k_pos.shape[-1])))
+        if q.shape[0] == 1:
             out = attention_decode(q[0], _bits(k), _bits(v), int(q_pos[0]), k_pos, np.float32(scale),
-                                   window or 0, self.threads)
+                                   window or 0, self.threads, _scores(score))
             return out[None]
-        if q.ndim == 3:
-            return attention_prompt(q, k, v, q_pos, k_pos, scale, window)
-        return reference.attention(q, k, v, q_pos, k_pos, scale, window)
+        return attention_prompt(q, k, v, q_pos, k_pos, scale, window, score)
 
     def store_kv(self, k_buf, v_buf, slots, k, v):
         store_kv(_bits(k_buf), _bits(v_buf), slots, np.ascontiguousarray(k, np.float32),

@@ -66,32 +66,40 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-              scale: float, window: int | None = None) -> np.ndarray:
+              scale: float, window: int | None = None, score: np.ndarray | None = None) -> np.ndarray:
     """Grouped-query attention of T queries over S cached keys, for prefill and decode alike.
 
-    q [T, Q, D]; k, v [G, S', D]; q_pos [T] and k_pos [S] are the positions of queries and cached
-    tokens (k_pos -1 marks an empty slot); slots S and beyond (S' >= S, a whole cache buffer) are
-    not read. A query sees a key when k_pos <= q_pos (causal) and, with
-    a sliding window, q_pos - k_pos < window. Slots may hold positions in any order (a ring buffer).
-    Query head h reads KV head h // R. Returns [T, Q, D] float32. A leading batch dimension B on q,
-    k and v ([B, T, Q, D], [B, G, S, D]) runs B sequences with the same positions at once.
+    q [T, Q, D]; k, v [G, S', D]; q_pos [T] are the queries' positions, k_pos [S] or [G, S] the
+    positions the cache slots hold (per KV head when the heads keep different tokens; -1 marks
+    an empty slot); slots S and beyond (S' >= S, a whole cache buffer) are not read. A query sees
+    a key when k_pos <= q_pos (causal) and, with a sliding window, q_pos - k_pos < window. Slots
+    may hold positions in any order (a ring buffer). Query head h reads KV head h // R.
+    `score` [G, S'], when given, gets each slot's attention weights added, summed over the
+    queries and the R query heads of its KV head (H2O's accumulated attention).
+    Returns [T, Q, D] float32. A leading batch dimension B on q, k and v ([B, T, Q, D],
+    [B, G, S, D]) runs B sequences with the same positions at once.
     """
     batched = q.ndim == 4
     if not batched:
         q, k, v = q[None], k[None], v[None]
-    k, v = k[:, :, :len(k_pos)], v[:, :, :len(k_pos)]
+    S = k_pos.shape[-1]
+    k, v = k[:, :, :S], v[:, :, :S]
     B, T, Q, D = q.shape
     G = k.shape[1]
+    k_pos = np.broadcast_to(k_pos, (G, S))[:, None, None, :]       # [G, 1, 1, S]
+    qp = q_pos[:, None]                                              # [T, 1]
     qg = q.reshape(B, T, G, Q // G, D).transpose(0, 2, 3, 1, 4)      # [B, G, R, T, D]
     scores = np.matmul(qg, k[:, :, None].swapaxes(-1, -2))           # [B, G, R, T, S]
     scores *= np.float32(scale)
-    visible = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])   # [T, S]
+    visible = (k_pos >= 0) & (k_pos <= qp)                           # [G, 1, T, S]
     if window is not None:
-        visible &= (q_pos[:, None] - k_pos[None, :]) < window
+        visible &= (qp - k_pos) < window
     scores += np.where(visible, np.float32(0), np.float32(-np.inf))  # mask added in place
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
+    if score is not None:
+        score[:, :S] += scores.sum(axis=(0, 2, 3))
     out = np.matmul(scores, v[:, :, None])                           # [B, G, R, T, D]
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, D)
     return out if batched else out[0]
@@ -160,14 +168,15 @@ class ReferenceBackend:
     @staticmethod
     def store_kv(k_buf: np.ndarray, v_buf: np.ndarray, slots: np.ndarray,
                  k: np.ndarray, v: np.ndarray) -> None:
-        """Write k, v [T, G, D] into the cache buffers [G, S, D] at `slots` [T]. Into float16
-        buffers, rounded to nearest and clamped to the finite range (no infinities to meet an
-        attention weight of 0)."""
+        """Write k, v [T, G, D] into the cache buffers [G, S, D], KV head g's rows at its slots
+        slots[g] ([G, T]). Into float16 buffers, rounded to nearest and clamped to the finite
+        range (no infinities to meet an attention weight of 0)."""
         if k_buf.dtype == np.float16:
             top = np.finfo(np.float16).max
             k, v = np.clip(k, -top, top), np.clip(v, -top, top)
-        k_buf[:, slots] = k.transpose(1, 0, 2)
-        v_buf[:, slots] = v.transpose(1, 0, 2)
+        for g in range(k_buf.shape[0]):
+            k_buf[g, slots[g]] = k[:, g]
+            v_buf[g, slots[g]] = v[:, g]
 
     @staticmethod
     def to_numpy(x) -> np.ndarray:

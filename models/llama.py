@@ -135,22 +135,23 @@ class LlamaModel:
     def hidden_states(self, tokens, cache):
         """The final (normed) hidden states [T, H] of `tokens`, their K/V appended to `cache`.
 
-        The cache assigns each new token a slot and a position (the RoPE angle and the causal
-        order); attention reads every slot the cache holds.
+        The cache assigns each new token a position (the RoPE angle and the causal order) and,
+        in each layer and KV head, a slot; attention reads every slot the cache holds (and adds
+        its weights to the cache's scores, for a policy that keeps them).
         """
         cfg, be = self.config, self.backend
         tokens = np.asarray(tokens, dtype=np.int64)
         T, Q, G, D = len(tokens), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        slots, pos = cache.allocate(T)
+        pos = cache.allocate(T)
         if cache.n_sink and cache.sink_shift != cache.rotated_shift:
             self._rotate_sinks(cache)
         cos, sin = be.rope_tables(self.inv_freq, pos)
-        k_pos = cache.slot_positions()
         x = be.embedding(self.embed, tokens)                               # [T, H]
         for i, L in enumerate(self.layers):
-            k_buf, v_buf = cache.layer(i)
+            # buffers [G, C, D], new tokens' slots [G, T], slot positions [G, S], scores or None
+            k_buf, v_buf, slots, k_pos, score = cache.layer(i)
             if T == 1 and be.fused_decode(L):      # the same ops, in one call (the backend's)
-                x = be.decode_layer(x, L, k_buf, v_buf, int(slots[0]), int(pos[0]), k_pos, cos, sin,
+                x = be.decode_layer(x, L, k_buf, v_buf, slots, int(pos[0]), k_pos, score, cos, sin,
                                     eps=cfg.rms_norm_eps, n_heads=Q, scale=self.scale,
                                     window=cfg.sliding_window)
                 continue
@@ -161,7 +162,7 @@ class LlamaModel:
             v = qkv[:, (Q + G) * D:].reshape(T, G, D)
             be.store_kv(k_buf, v_buf, slots, k, v)
             a = be.attention(q, k_buf, v_buf, pos, k_pos, self.scale,
-                             cfg.sliding_window)                           # [T, Q, D]
+                             cfg.sliding_window, score)                    # [T, Q, D]
             x = x + be.linear(a.reshape(T, Q * D), L.o)
             h = be.rmsnorm(x, L.post_norm, cfg.rms_norm_eps)
             gu = be.linear(h, L.gate_up)                                   # [T, 2I]
@@ -174,14 +175,15 @@ class LlamaModel:
         from the cache itself (sink i still rotated by its own position i then)."""
         be, n = self.backend, cache.n_sink
         sinks = np.arange(n)
+        slots = np.tile(sinks, (cache.kv_heads, 1))                       # [G, n]
         if cache.sink_keys is None:
             cos, sin = be.rope_tables(self.inv_freq, sinks)
             cache.sink_keys = np.stack([be.rope(_rows(be, k[:, :n]), cos, -sin)
                                         for k in cache.k])            # [L, n, G, D]
         cos, sin = be.rope_tables(self.inv_freq, sinks + cache.sink_shift)
         for i in range(len(cache.sink_keys)):
-            k_buf, v_buf = cache.layer(i)
-            be.store_kv(k_buf, v_buf, sinks, be.rope(cache.sink_keys[i], cos, sin),
+            k_buf, v_buf = cache.k[i], cache.v[i]
+            be.store_kv(k_buf, v_buf, slots, be.rope(cache.sink_keys[i], cos, sin),
                         _rows(be, v_buf[:, :n]))
         cache.rotated_shift = cache.sink_shift
 

@@ -9,7 +9,7 @@ from helpers import rel_err, tiny_config, write_tiny_model
 from tinyrt.converters import convert
 from tinyrt.kernels import awq_layout, cpu, get_backend
 from tinyrt.kernels import reference as ref
-from tinyrt.kv_cache import KVCache
+from tinyrt.kv_cache import make_cache
 
 rng = np.random.default_rng()
 
@@ -121,27 +121,43 @@ def test_rope(T, N, D):
     np.testing.assert_allclose(cpu.rope(x, cos, sin), ref.rope(x, cos, sin), atol=1e-5)
 
 
+def ring_positions(G, S, q_pos, free=0.2):
+    """Slot positions [G, S] of a ring buffer whose KV heads keep different tokens: any order,
+    some free slots (-1), and each of `q_pos` (the queries' own keys) held by every head."""
+    k_pos = np.stack([rng.permutation(q_pos[0] + S)[:S] for _ in range(G)])
+    k_pos[rng.random((G, S)) < free] = -1
+    k_pos[k_pos >= q_pos[0]] = -1
+    for g in range(G):
+        k_pos[g, rng.choice(S, len(q_pos), replace=False)] = q_pos
+    return k_pos
+
+
 @pytest.mark.parametrize("ratio", [1, 3, 4, 8])
 @pytest.mark.parametrize("S", [1, 17, 255, 700])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype, D", [(np.float16, 32), (np.float32, 32), (np.float16, 24)])
 def test_attention_decode(ratio, S, window, dtype, D):
-    """Over a ring buffer of float16 or float32 elements; 700 slots: split among tasks, the
-    partial softmaxes merged; head size 24: the columns past the vector part."""
+    """Over a ring buffer of float16 or float32 elements whose KV heads hold different
+    positions; 700 slots: split among tasks, the partial softmaxes merged; head size 24: the
+    columns past the vector part. The attention weights added to H2O scores as well."""
     G = 2
     q = rng.standard_normal((1, G * ratio, D)).astype(np.float32)
-    k, v = (rng.standard_normal((G, S, D)).astype(dtype) for _ in range(2))
-    k_pos = rng.permutation(S + 3)[:S]                 # a ring buffer: any order, some free slots
-    k_pos[rng.random(S) < 0.2] = -1
+    k, v = (rng.standard_normal((G, S + 2, D)).astype(dtype) for _ in range(2))
     q_pos = np.array([S + 3])
-    k_pos[0] = q_pos[0]                                # the query's own key is always there
-    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.2, window)
+    k_pos = ring_positions(G, S, q_pos)
+    score0 = rng.random((G, S + 2)).astype(np.float32)
+    want_score = score0.copy()
+    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.2, window,
+                         want_score)
     np.testing.assert_allclose(cpu.CpuBackend().attention(q, k, v, q_pos, k_pos, 0.2, window),
                                want, atol=1e-5)
     for tasks in (1, 3):
+        score = score0.copy()
         got = cpu.attention_decode(q[0], cpu._bits(k), cpu._bits(v), q_pos[0], k_pos,
-                                   np.float32(0.2), window or 0, tasks)
+                                   np.float32(0.2), window or 0, tasks, score)
         np.testing.assert_allclose(got[None], want, atol=1e-5)
+        np.testing.assert_allclose(score, want_score, atol=1e-5)
+    assert not np.array_equal(want_score, score0)
 
 
 @pytest.mark.parametrize("ratio", [1, 3, 4, 8])
@@ -151,38 +167,40 @@ def test_attention_decode(ratio, S, window, dtype, D):
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_attention_prompt(ratio, T, past, block, window, ordered, dtype):
     """Blocked prompt attention = the reference, over caches in position order (the causal skip)
-    and in ring order with free slots; buffers larger than the slots read."""
+    and in ring order with free slots and different positions per KV head; buffers larger than
+    the slots read; the H2O scores alike."""
     G, D = 2, 16
     S = past + T
     q = rng.standard_normal((T, G * ratio, D)).astype(np.float32)
     k, v = (rng.standard_normal((G, S + 4, D)).astype(dtype) for _ in range(2))
-    k_pos = np.arange(S) if ordered else rng.permutation(S)
-    if not ordered:
-        k_pos[rng.random(S) < 0.2] = -1
     q_pos = np.arange(past, S)
-    if not ordered:                                    # each query's own key is in the cache
-        k_pos[rng.choice(S, T, replace=False)] = q_pos
-    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.3, window)
-    np.testing.assert_allclose(cpu.attention_prompt(q, k, v, q_pos, k_pos, 0.3, window, block),
+    k_pos = np.tile(np.arange(S), (G, 1)) if ordered else ring_positions(G, S, q_pos)
+    score, want_score = np.zeros((G, S + 4), np.float32), np.zeros((G, S + 4), np.float32)
+    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.3, window,
+                         want_score)
+    np.testing.assert_allclose(cpu.attention_prompt(q, k, v, q_pos, k_pos, 0.3, window, score, block),
                                want, atol=1e-5)
+    np.testing.assert_allclose(score, want_score, atol=1e-4)
+    np.testing.assert_allclose(want_score.sum(), T * ratio * G, rtol=1e-4)   # each row sums to 1
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_store_kv(dtype):
-    """Float16 buffers hold the values rounded to nearest (as NumPy rounds), clamped to the
-    largest finite half."""
+    """Each KV head's rows at its own slots; float16 buffers hold the values rounded to nearest
+    (as NumPy rounds), clamped to the largest finite half."""
     k_buf, v_buf = np.zeros((3, 10, 8), dtype), np.zeros((3, 10, 8), dtype)
     k, v = rng.standard_normal((4, 3, 8)).astype(np.float32), rng.standard_normal((4, 3, 8)).astype(np.float32)
     k[0, 0, :2] = [1e6, -7e4]
-    slots = np.array([7, 2, 9, 0])
+    slots = np.array([[7, 2, 9, 0], [1, 2, 3, 4], [9, 8, 0, 5]])
     want_k, want_v = k_buf.copy(), v_buf.copy()
     ref.ReferenceBackend.store_kv(want_k, want_v, slots, k, v)
     cpu.CpuBackend().store_kv(k_buf, v_buf, slots, k, v)
     assert np.array_equal(k_buf, want_k) and np.array_equal(v_buf, want_v)
     assert np.isfinite(k_buf).all()
+    for g in range(3):
+        assert np.array_equal(v_buf[g, slots[g]], v[:, g].astype(dtype))
     if dtype == np.float16:
         assert k_buf[0, 7, 0] == np.finfo(np.float16).max and k_buf[0, 7, 1] == -np.finfo(np.float16).max
-        assert np.array_equal(v_buf[:, slots].transpose(1, 0, 2), v.astype(np.float16))
 
 
 def test_dispatch():
@@ -209,20 +227,24 @@ def test_tiny_model_cpu_equals_reference(tmp_path, heads, kv_heads):
         assert a == b
 
 
-@pytest.mark.parametrize("heads, kv_heads, window", [(4, 2, None), (8, 8, None), (8, 2, 5)])
-def test_fused_decode_layer_equals_the_ops(tmp_path, heads, kv_heads, window):
+@pytest.mark.parametrize("heads, kv_heads, window, policy", [(4, 2, None, "dense"), (8, 8, None, "dense"),
+                                                        (8, 2, 5, "dense"), (4, 2, None, "h2o")])
+def test_fused_decode_layer_equals_the_ops(tmp_path, heads, kv_heads, window, policy):
     """One-token decode through the fused layer kernel gives the logits of the ops one by one,
-    step after step (sliding window included)."""
+    step after step (sliding window included; an h2o cache, its scores and evictions too)."""
     over = dict(model_type="mistral", sliding_window=window) if window else {}
     _, q = tiny_models(tmp_path, heads, kv_heads, **over)
     fused, ops = tinyrt.LLM(q, device="cpu").model, tinyrt.LLM(q, device="cpu").model
     ops.backend.fused_decode = lambda layer: False
     assert fused.backend.fused_decode(fused.layers[0])
     c = fused.config
-    caches = [KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend) for m in (fused, ops)]
-    ids = rng.integers(0, c.vocab_size, 30)
+    size = 24 if policy == "h2o" else 64                 # h2o: 50 evictions
+    caches = [make_cache(policy, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, size,
+                         m.backend, np.float32) for m in (fused, ops)]
+    ids = rng.integers(0, c.vocab_size, 60 if policy == "h2o" else 30)
     for m, cache in zip((fused, ops), caches):
         m.forward(ids[:9], cache)
     for t in ids[9:]:
         a, b = (m.forward([t], cache) for m, cache in zip((fused, ops), caches))
         assert rel_err(a, b) < 1e-5
+    assert np.array_equal(caches[0].slot_pos, caches[1].slot_pos)

@@ -52,7 +52,7 @@ class LLM:
 
     def __init__(self, directory: str | os.PathLike, *, device: str = "auto",
                  threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
-                 kv_policy: str = "dense", sinks: int = 4):
+                 kv_policy: str = "dense", sinks: int = 4, recent: int | None = None):
         start = time.perf_counter()
         self.directory = Path(directory)
         try:
@@ -69,7 +69,7 @@ class LLM:
         self.generation_config = _generation_config(self.directory)
         size = kv_size or min(cfg.max_position_embeddings, DEFAULT_KV_SIZE)
         self.cache = make_cache(kv_policy, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                cfg.head_dim, size, self.backend, kv_dtype(kv_type), sinks)
+                                cfg.head_dim, size, self.backend, kv_dtype(kv_type), sinks, recent)
         gen_eos = self.generation_config.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = {i for i in (*cfg.eos_token_ids, *gen_eos, self.tokenizer.eos_id)
@@ -127,11 +127,12 @@ class LLM:
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto",
          threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
-         kv_policy: str = "dense", sinks: int = 4, quiet: bool = False) -> LLM:
+         kv_policy: str = "dense", sinks: int = 4, recent: int | None = None,
+         quiet: bool = False) -> LLM:
     """Load a model: a model directory, a GGUF file or HF directory (converted once and cached),
     a known name, or None for the default model (fetched and converted on first use)."""
     start = time.perf_counter()
     llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, kv_size=kv_size,
-              kv_type=kv_type, kv_policy=kv_policy, sinks=sinks)
+              kv_type=kv_type, kv_policy=kv_policy, sinks=sinks, recent=recent)
     llm.load_s = time.perf_counter() - start
     return llm

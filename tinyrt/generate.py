@@ -86,7 +86,7 @@ class StopStrings:
 def check_fits(cache, n_prompt: int, context: int) -> None:
     """A clear error, before any work, for a prompt the cache cannot take (a streaming cache
     takes any prompt, in chunks)."""
-    if cache.policy == "dense" and n_prompt > cache.free:
+    if not cache.fits(n_prompt):
         raise CacheFullError(
             f"the prompt has {n_prompt} tokens but the KV cache has room for {cache.free} "
             f"(size {cache.capacity}, model context {context}); shorten the prompt or use a larger "

@@ -101,7 +101,7 @@ class StreamPerplexity:
 
 
 def stream_perplexity(llm, text: str, *, policy: str, kv_size: int, sinks: int = 4,
-                      max_tokens: int | None = None,
+                      recent: int | None = None, max_tokens: int | None = None,
                       progress: Callable[[int, int], None] | None = None) -> StreamPerplexity:
     """Feed `text` (tokenized whole, cut at `max_tokens`) one token at a time through a fresh
     cache of `policy` and `kv_size`; perplexity over every next-token prediction. A dense cache
@@ -111,8 +111,8 @@ def stream_perplexity(llm, text: str, *, policy: str, kv_size: int, sinks: int =
         raise TinyrtError(f"the text has {len(ids)} tokens: nothing to predict")
     cfg = llm.config
     cache = make_cache(policy, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                       kv_size, llm.backend, llm.cache.k.dtype, sinks)
-    if not cache.fits(len(ids) - 1) and policy == "dense":
+                       kv_size, llm.backend, llm.cache.k.dtype, sinks, recent)
+    if not cache.fits(len(ids) - 1):
         raise TinyrtError(f"a dense cache of {kv_size} cannot hold {len(ids) - 1} tokens: use "
                           "--kv-size at least that, or a streaming policy")
     start = time.perf_counter()

@@ -28,17 +28,35 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text appears (repeatable)")
     r = p.add_argument_group("runtime")
-    r.add_argument("--kv-policy", choices=["dense", "sink"], default="dense",
-                   help="KV cache policy: dense (fill, then stop) or sink (StreamingLLM: keep "
-                        "the first --sinks tokens and a ring of the most recent; streams forever)")
-    r.add_argument("--sinks", type=int, default=4,
-                   help="attention sinks kept by --kv-policy sink (0: a plain sliding window)")
-    r.add_argument("--kv-size", type=int, default=None,
-                   help="KV cache size in tokens (default: the model context, at most 4096)")
-    r.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
-                   help="KV cache element type (default f16: half the memory)")
+    add_cache_options(r, policy="dense")
     r.add_argument("--device", choices=DEVICES, default="auto")
     r.add_argument("--threads", type=int, default=None)
+
+
+def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
+    """The KV cache options (`g` a parser or argument group): policy, size, sinks, recent, type."""
+    from tinyrt.kv_cache import KV_TYPES, POLICIES
+
+    g.add_argument("--kv-policy", choices=list(POLICIES), default=policy,
+                   help="KV cache policy: dense (fill, then stop), sink (StreamingLLM: keep the "
+                        "first --sinks tokens and a ring of the most recent; streams forever) or "
+                        f"h2o (sinks, --recent tokens and the heavy hitters; streams) (default {policy})")
+    g.add_argument("--kv-size", type=int, default=size,
+                   help="KV cache size in tokens" + (f" (default {size})" if size else
+                                                     " (default: the model context, at most 4096)"))
+    g.add_argument("--sinks", type=int, default=4,
+                   help="attention sinks kept by sink and h2o (default 4; 0 with sink: a sliding window)")
+    g.add_argument("--recent", type=int, default=None,
+                   help="recent tokens kept by h2o (default: half of the cache less the sinks; "
+                        "the rest holds the heavy hitters)")
+    g.add_argument("--kv-type", choices=list(KV_TYPES), default="f16",
+                   help="KV cache element type (default f16: half the memory)")
+
+
+def cache_kwargs(args: argparse.Namespace) -> dict:
+    """Keyword arguments for `tinyrt.load` from the KV cache options."""
+    return dict(kv_size=args.kv_size, kv_type=args.kv_type, kv_policy=args.kv_policy,
+                sinks=args.sinks, recent=args.recent)
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -51,5 +69,4 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
 def load_llm(args: argparse.Namespace):
     import tinyrt
 
-    return tinyrt.load(args.model, device=args.device, threads=args.threads, kv_size=args.kv_size,
-                       kv_type=args.kv_type, kv_policy=args.kv_policy, sinks=args.sinks)
+    return tinyrt.load(args.model, device=args.device, threads=args.threads, **cache_kwargs(args))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tinyrt.errors import TinyrtError
 
-from .options import add_model_option
+from .options import add_cache_options, add_model_option
 
 
 def add_parser(sub) -> None:
@@ -25,13 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
-                   help="KV cache element type (default f16)")
-    st = p.add_argument_group("streaming (--stream)")
+    st = p.add_argument_group("KV cache (all but --kv-type with --stream only)")
     st.add_argument("--stream", action="store_true", help="token by token through a KV cache")
-    st.add_argument("--kv-policy", choices=["dense", "sink"], default="sink")
-    st.add_argument("--kv-size", type=int, default=1024)
-    st.add_argument("--sinks", type=int, default=4)
+    add_cache_options(st, policy="sink", size=1024)
     st.add_argument("--max-tokens", type=int, default=None, help="use the text's first tokens")
 
 
@@ -60,8 +56,8 @@ def main(args: argparse.Namespace) -> int:
     with bar:
         if args.stream:
             result = stream_perplexity(llm, text, policy=args.kv_policy, kv_size=args.kv_size,
-                                       sinks=args.sinks, max_tokens=args.max_tokens,
-                                       progress=progress)
+                                       sinks=args.sinks, recent=args.recent,
+                                       max_tokens=args.max_tokens, progress=progress)
         else:
             result = perplexity(llm, text, ctx=args.ctx, max_windows=args.max_windows,
                                 progress=progress)
