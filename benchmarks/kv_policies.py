@@ -2,15 +2,17 @@
 fed one token at a time, each next-token NLL recorded, the policy applied as the cache fills):
 
     python benchmarks/kv_policies.py MODEL --text wikitext2-test.txt quality [--tokens 8192]
-        dense (the whole text in context), sink 4 + 1020, window 0 + 1024: PPL and ratios
+        dense (the whole text in context), sink 4 + 1020, window 0 + 1024, h2o 1024: PPL, ratios
     python benchmarks/kv_policies.py MODEL --text ... long [--tokens 32768]
         sink 4 + 1020 over a stream past the model's context: PPL of the first and last 8192
         tokens, RSS when the cache fills and at the end
     python benchmarks/kv_policies.py MODEL --text ... budget [--tokens 2048] [--plot FILE.png]
-        PPL against cache budget for window and sink (dense: the whole text, a line)
+        PPL against cache budget for window, sink and h2o (dense: the whole text, a line);
+        410 is 20 % of 2048
     python benchmarks/kv_policies.py MODEL speed [--kv-size 1024]
         decode ms per token, dense (cache nearly full) against sink (cache full, sinks
-        re-rotated every step), same cache size, medians
+        re-rotated every step) and h2o (cache full, scores kept, one eviction per head and
+        layer every step), same cache size, medians
 
 Needs matplotlib for --plot (not a CI dependency).
 """
@@ -31,23 +33,26 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def stream(llm, text, policy, size, sinks, tokens, progress=None):
+def stream(llm, text, policy, size, sinks, tokens, progress=None, skip=0):
     from tinyrt.perplexity import stream_perplexity
 
     return stream_perplexity(llm, text, policy=policy, kv_size=size, sinks=sinks,
-                             max_tokens=tokens, progress=progress)
+                             max_tokens=tokens, skip=skip, progress=progress)
+
+
+def ratio_line(out, base, names):
+    return "  ".join(f"{n} / {base}: {out[n] / out[base]:.3f}" for n in names)
 
 
 def quality(llm, text, args):
     runs = {"dense": ("dense", args.tokens, 0), "sink 4+1020": ("sink", 1024, 4),
-            "window 0+1024": ("sink", 1024, 0)}
+            "window 0+1024": ("sink", 1024, 0), "h2o 1024": ("h2o", 1024, 4)}
     out = {}
     for name, (policy, size, sinks) in runs.items():
         r = stream(llm, text, policy, size, sinks, args.tokens)
         out[name] = r.ppl
         print(f"{name:14s} ppl {r.ppl:9.4f}  ({r.tokens} tokens, {r.seconds:.0f} s)", flush=True)
-    for name in ("sink 4+1020", "window 0+1024"):
-        print(f"{name} / dense: {out[name] / out['dense']:.3f}")
+    print(ratio_line(out, "dense", list(runs)[1:]))
     return out
 
 
@@ -63,19 +68,28 @@ def long(llm, text, args):
     first, last = r.ppl_of(0, 8192), r.ppl_of(r.tokens - 8192, r.tokens)
     print(f"sink 4+1020 over {r.tokens} tokens ({r.seconds:.0f} s): ppl first 8192 {first:.4f}, "
           f"last 8192 {last:.4f} (ratio {last / first:.3f}); RSS when the cache filled "
-          f"{seen['full']:.0f} MB, highest after {seen['peak']:.0f} MB, at the end {rss_mb():.0f} MB")
-    return {"first": first, "last": last, "rss_full": seen["full"], "rss_peak": seen["peak"]}
+          f"{seen['full']:.0f} MB, highest after {seen['peak']:.0f} MB, at the end {rss_mb():.0f} MB",
+          flush=True)
+    # the text's own difficulty changes along it: the same last 8192 tokens streamed from a
+    # fresh cache, positions from 0, against those streamed after 24k tokens
+    alone = stream(llm, text, "sink", 1024, 4, 8193, skip=r.tokens + 1 - 8193).ppl
+    print(f"the last 8192 tokens streamed alone: ppl {alone:.4f}; after the long stream / alone: "
+          f"{last / alone:.3f}")
+    return {"first": first, "last": last, "last_alone": alone, "rss_full": seen["full"],
+            "rss_peak": seen["peak"]}
 
 
 def budget(llm, text, args):
-    budgets = [64, 128, 256, 512, 1024]
+    budgets = [64, 128, 256, round(0.2 * args.tokens), 512, 1024]
     dense = stream(llm, text, "dense", args.tokens, 0, args.tokens).ppl
-    curves = {"window": [], "sink (4)": []}
+    runs = {"window": ("sink", 0), "sink (4)": ("sink", 4), "h2o (4)": ("h2o", 4)}
+    curves = {name: [] for name in runs}
     for b in budgets:
-        curves["window"].append(stream(llm, text, "sink", b, 0, args.tokens).ppl)
-        curves["sink (4)"].append(stream(llm, text, "sink", b, 4, args.tokens).ppl)
-        print(f"budget {b:5d}: window {curves['window'][-1]:9.3f}  sink {curves['sink (4)'][-1]:8.3f}"
-              f"  (dense {dense:.3f})", flush=True)
+        for name, (policy, sinks) in runs.items():
+            curves[name].append(stream(llm, text, policy, b, sinks, args.tokens).ppl)
+        print(f"budget {b:5d}: " + "  ".join(f"{n} {c[-1]:8.3f}" for n, c in curves.items())
+              + f"  (dense {dense:.3f}; h2o / dense {curves['h2o (4)'][-1] / dense:.3f})",
+              flush=True)
     if args.plot:
         import matplotlib
 
@@ -104,7 +118,8 @@ def speed(llm, args):
     cfg, model = llm.config, llm.model
     ids = np.random.default_rng(0).integers(100, 10000, 2 * args.kv_size)
     out = {}
-    for policy, prompt in (("dense", args.kv_size - 129), ("sink", 2 * args.kv_size - 128)):
+    for policy, prompt in (("dense", args.kv_size - 129), ("sink", 2 * args.kv_size - 128),
+                           ("h2o", 2 * args.kv_size - 128)):
         cache = make_cache(policy, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                            args.kv_size, llm.backend, llm.cache.k.dtype, 4)
         model.forward(ids[:prompt], cache)
@@ -116,7 +131,7 @@ def speed(llm, args):
         out[policy] = statistics.median(steps) * 1e3
         print(f"{policy:6s} decode {out[policy]:.2f} ms per token (median of 128, cache of "
               f"{args.kv_size}, {cache.length} held)", flush=True)
-    print(f"sink / dense: {out['sink'] / out['dense']:.3f}")
+    print(ratio_line(out, "dense", ["sink", "h2o"]))
     return out
 
 

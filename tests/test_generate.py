@@ -29,11 +29,11 @@ def _run(llm, prompt_ids, **kw):
 def test_max_tokens_and_timings(tiny_llm):
     g, rs = _run(tiny_llm, [5, 6, 7], max_tokens=9)
     assert rs[-1].finish_reason == "length" and all(r.finish_reason is None for r in rs[:-1])
-    assert len(g.tokens) == 9 and [r.token for r in rs[:-1]] == g.tokens
+    assert len(g.tokens) == 9 and [r.token for r in rs[:-1]] == list(g.tokens)
     t = rs[-1].timings
     assert t.prompt_tokens == 3 and t.generated_tokens == 9 and t.decode_steps == 8
     assert t.ttft_s > 0 and t.prefill_tok_s > 0 and t.decode_tok_s > 0
-    assert "".join(r.text for r in rs) == tiny_llm.tokenizer.decode(g.tokens)
+    assert "".join(r.text for r in rs) == tiny_llm.tokenizer.decode(list(g.tokens))
 
 
 def test_eos_stops_without_text(tiny_llm):

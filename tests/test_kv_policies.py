@@ -266,7 +266,7 @@ def test_float16_sink_cache_stays_close(tiny):
     assert worst <= 1e-2, worst
 
 
-def test_dense_stops_at_its_size_and_sink_streams_past_it(tiny):
+def test_dense_stops_at_its_size_and_the_streaming_policies_go_past_it(tiny):
     dense = tinyrt.LLM(tiny, kv_size=16)
     with pytest.raises(CacheFullError, match="room for 16"):
         dense.generate("hello " * 30, raw=True, max_tokens=4)
@@ -275,8 +275,10 @@ def test_dense_stops_at_its_size_and_sink_streams_past_it(tiny):
                                 ignore_eos=True))
     tokens = [r.token for r in replies if r.token is not None]
     assert len(tokens) == 16 - n_prompt + 1 and replies[-1].finish_reason == "length"
-    sink = tinyrt.LLM(tiny, kv_size=16, kv_policy="sink")
-    replies = list(sink.stream("hello " * 30, raw=True, max_tokens=300, temperature=1, seed=0,
-                               ignore_eos=True))
-    assert sum(r.token is not None for r in replies) == 300 and replies[-1].finish_reason == "length"
-    assert sink.cache.next_pos > 300 and sink.cache.length == 16
+    for policy in ("sink", "h2o"):
+        llm = tinyrt.LLM(tiny, kv_size=16, kv_policy=policy)
+        replies = list(llm.stream("hello " * 30, raw=True, max_tokens=300, temperature=1, seed=0,
+                                  ignore_eos=True))
+        assert sum(r.token is not None for r in replies) == 300
+        assert replies[-1].finish_reason == "length"
+        assert llm.cache.next_pos > 300 and llm.cache.length == 16

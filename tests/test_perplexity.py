@@ -60,8 +60,8 @@ def test_ppl_command_json(tiny, tmp_path):
 
 def test_streaming_perplexity(tiny, tmp_path):
     """Token by token through a dense cache = the windowed protocol over one window of the same
-    tokens; a sink cache larger than the text evicts nothing and agrees; a small one differs;
-    the CLI prints the same keys as ppl."""
+    tokens; sink and h2o caches larger than the text evict nothing and agree; small ones
+    differ; the CLI prints the same keys as ppl."""
     from tinyrt.perplexity import stream_perplexity
 
     d, llm = tiny
@@ -70,16 +70,18 @@ def test_streaming_perplexity(tiny, tmp_path):
     assert dense.tokens == n - 1 and len(dense.nll) == n - 1
     assert dense.ppl == pytest.approx(perplexity(llm, CORPUS, ctx=n, max_windows=1).ppl, rel=1e-5)
     assert dense.ppl_of(0, n - 1) == pytest.approx(dense.ppl)
-    big = stream_perplexity(llm, CORPUS, policy="sink", kv_size=n + 10, max_tokens=n)
-    assert big.ppl == pytest.approx(dense.ppl, rel=1e-6)
-    small = stream_perplexity(llm, CORPUS, policy="sink", kv_size=24, sinks=4, max_tokens=n)
-    assert small.ppl != pytest.approx(dense.ppl, rel=1e-3)
+    for policy in ("sink", "h2o"):
+        big = stream_perplexity(llm, CORPUS, policy=policy, kv_size=n + 10, max_tokens=n)
+        assert big.ppl == pytest.approx(dense.ppl, rel=1e-6)
+        small = stream_perplexity(llm, CORPUS, policy=policy, kv_size=24, sinks=4, max_tokens=n)
+        assert small.ppl != pytest.approx(dense.ppl, rel=1e-3)
     with pytest.raises(TinyrtError, match="cannot hold"):
         stream_perplexity(llm, CORPUS, policy="dense", kv_size=20, max_tokens=n)
     text = tmp_path / "t.txt"
     text.write_text(CORPUS)
     p = subprocess.run([sys.executable, "-m", "tinyrt", "ppl", "-m", str(d), "--text", str(text),
-                        "--stream", "--kv-policy", "sink", "--kv-size", "32", "--sinks", "2",
+                        "--stream", "--kv-policy", "h2o", "--kv-size", "32", "--sinks", "2",
+                        "--recent", "6",
                         "--max-tokens", "80", "--json"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)

@@ -9,6 +9,7 @@ responses.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -106,7 +107,7 @@ class Generation:
         self.eos_ids = set(eos_ids)
         self.stop = StopStrings(stop)
         self.timings = Timings(load_s=load_s, prompt_tokens=len(self.prompt))
-        self.tokens: list[int] = []
+        self.tokens = array("i")               # the reply's ids: 4 bytes a token
         self.finish_reason: str | None = None
         check_fits(cache, len(self.prompt), model.config.max_position_embeddings)
 
@@ -118,11 +119,15 @@ class Generation:
         start = time.perf_counter()
         logits = self._logits(self.prompt)
         t.prefill_s = time.perf_counter() - start
-        history = list(self.prompt)
+        keep = self.sampler.history_size      # ids the sampler reads: a bounded list, however long
+        history = self.prompt[len(self.prompt) - keep:] if keep else []
         tok = self.sampler(logits, history)
         t.ttft_s = time.perf_counter() - start
         while True:
-            history.append(tok)
+            if keep:
+                history.append(tok)
+                if len(history) > 2 * keep:
+                    del history[:-keep]
             yield tok
             if not self.cache.fits(1):
                 return

@@ -101,12 +101,13 @@ class StreamPerplexity:
 
 
 def stream_perplexity(llm, text: str, *, policy: str, kv_size: int, sinks: int = 4,
-                      recent: int | None = None, max_tokens: int | None = None,
+                      recent: int | None = None, max_tokens: int | None = None, skip: int = 0,
                       progress: Callable[[int, int], None] | None = None) -> StreamPerplexity:
-    """Feed `text` (tokenized whole, cut at `max_tokens`) one token at a time through a fresh
-    cache of `policy` and `kv_size`; perplexity over every next-token prediction. A dense cache
-    must hold the whole text."""
-    ids = np.asarray(llm.tokenizer.encode(text, add_special=True), dtype=np.int64)[:max_tokens]
+    """Feed `text` (tokenized whole; its first `skip` tokens dropped, then cut at `max_tokens`)
+    one token at a time through a fresh cache of `policy` and `kv_size`; perplexity over every
+    next-token prediction. A dense cache must hold the whole text."""
+    ids = np.asarray(llm.tokenizer.encode(text, add_special=True), dtype=np.int64)
+    ids = ids[skip:skip + max_tokens if max_tokens else None]
     if len(ids) < 2:
         raise TinyrtError(f"the text has {len(ids)} tokens: nothing to predict")
     cfg = llm.config

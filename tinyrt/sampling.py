@@ -82,6 +82,12 @@ class Sampler:
         self.params = params or SamplingParams()
         self.rng = np.random.default_rng(self.params.seed)
 
+    @property
+    def history_size(self) -> int:
+        """How many of the latest ids `__call__` looks at (the repeat penalty's window)."""
+        p = self.params
+        return p.repeat_last_n if p.repeat_penalty != 1.0 else 0
+
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits [V] -> token id."""
         p = self.params

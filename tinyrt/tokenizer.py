@@ -200,29 +200,31 @@ class Detokenizer:
     """Turns a stream of token ids into text deltas without re-decoding the whole sequence and
     without ever emitting half a UTF-8 character.
 
-    It decodes a short window: the tokens already emitted since the last boundary (`prefix`) and
-    the new ones. Text is released once the window decodes to more than its prefix and does not end
-    in U+FFFD (the mark of an incomplete byte sequence).
+    It decodes a short window: `ids`, the tokens whose text was released last (the prefix, up
+    to `read`) and the new ones. Text is released once the window decodes to more than its
+    prefix and does not end in U+FFFD (the mark of an incomplete byte sequence); the window then
+    starts again at the tokens just released, so it stays short however long the stream.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.prefix = 0  # window start
-        self.read = 0    # end of the tokens whose text has been released
+        self.read = 0    # ids[:read] is the prefix, whose text was already released
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        done = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
+        done = self.tok.decode(self.ids[:self.read])
+        text = self.tok.decode(self.ids)
         if len(text) > len(done) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
+            del self.ids[:self.read]
+            self.read = len(self.ids)
             return text[len(done):]
         return ""
 
     def flush(self) -> str:
         """Whatever is held back at the end of the stream."""
-        done = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
+        done = self.tok.decode(self.ids[:self.read])
+        text = self.tok.decode(self.ids)
+        del self.ids[:]
+        self.read = 0
         return text[len(done):]

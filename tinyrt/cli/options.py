@@ -47,8 +47,8 @@ def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
     g.add_argument("--sinks", type=int, default=4,
                    help="attention sinks kept by sink and h2o (default 4; 0 with sink: a sliding window)")
     g.add_argument("--recent", type=int, default=None,
-                   help="recent tokens kept by h2o (default: half of the cache less the sinks; "
-                        "the rest holds the heavy hitters)")
+                   help="recent tokens kept by h2o (default 64, at most half of the cache less "
+                        "the sinks; the rest holds the heavy hitters)")
     g.add_argument("--kv-type", choices=list(KV_TYPES), default="f16",
                    help="KV cache element type (default f16: half the memory)")
 
