@@ -17,10 +17,11 @@ import os
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "18")
 
 from .api import LLM, load  # noqa: E402
+from .chat import ChatSession  # noqa: E402
 from .errors import CacheFullError, ModelFormatError, TinyrtError  # noqa: E402
 from .generate import Response, Timings  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "load", "Response", "Timings", "SamplingParams", "TinyrtError",
+__all__ = ["LLM", "load", "ChatSession", "Response", "Timings", "SamplingParams", "TinyrtError",
            "ModelFormatError", "CacheFullError", "__version__"]

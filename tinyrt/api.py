@@ -101,24 +101,32 @@ class LLM:
 
     # -- generation ---------------------------------------------------------------------------
 
-    def stream(self, prompt: Prompt, *, max_tokens: int = 512, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-               repeat_penalty: float | None = None, seed: int | None = None,
-               stop: Sequence[str] = (), system: str | None = None,
-               raw: bool = False, ignore_eos: bool = False) -> Iterator[Response]:
+    def stream(self, prompt: Prompt, *, system: str | None = None, raw: bool = False,
+               **options) -> Iterator[Response]:
         """Stream the reply to `prompt`, one `Response` per token; the last has `finish_reason`.
-        `ignore_eos` goes on past end-of-sequence tokens (to max_tokens, or a full dense cache)."""
+        Options as for `generation`. The cache starts empty: each call is a new conversation
+        (`ChatSession` keeps one going)."""
         ids = self.prompt_ids(prompt, system=system, raw=raw)
+        self.cache.reset()
+        yield from self.generation(ids, **options)
+
+    def generation(self, ids: Sequence[int], *, max_tokens: int = 512,
+                   temperature: float | None = None, top_k: int | None = None,
+                   top_p: float | None = None, min_p: float | None = None,
+                   repeat_penalty: float | None = None, seed: int | None = None,
+                   stop: Sequence[str] = (), ignore_eos: bool = False) -> Generation:
+        """A reply to prompt token `ids` appended to what the cache holds. Sampling options left
+        None take the model's generation_config.json or the sampler's defaults; `ignore_eos`
+        goes on past end-of-sequence tokens (to max_tokens, or a full dense cache)."""
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      repeat_penalty=repeat_penalty)
         params = {**self.sampling_defaults(), **{k: v for k, v in given.items() if v is not None}}
         sampler = Sampler(SamplingParams(seed=seed, **params))
         if max_tokens <= 0:
             raise TinyrtError("max tokens must be positive")
-        self.cache.reset()
-        yield from Generation(self.model, self.cache, self.tokenizer, ids, sampler,
-                              max_tokens=max_tokens, eos_ids=() if ignore_eos else self.eos_ids,
-                              stop=stop, load_s=self.load_s)
+        return Generation(self.model, self.cache, self.tokenizer, ids, sampler,
+                          max_tokens=max_tokens, eos_ids=() if ignore_eos else self.eos_ids,
+                          stop=stop, load_s=self.load_s)
 
     def generate(self, prompt: Prompt, **options) -> str:
         """The whole reply as text (options as for `stream`)."""

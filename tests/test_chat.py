@@ -1,0 +1,292 @@
+"""ChatSession and `tinyrt chat`: multi-turn reuse of the KV cache, stopping a reply, the cache
+policies, saving, and the real command driven in a pseudo-terminal and through a pipe."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tinyrt
+from helpers import tiny_config, write_tiny_model
+from tinyrt.errors import CacheFullError, TinyrtError
+
+rng = np.random.default_rng()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("chat") / "m", tiny_config(), seed=5)
+
+
+class Fed:
+    """Records what the model's cache holds: every completed forward pass (start position,
+    tokens), replayed into the token sequence the cache holds."""
+
+    def __init__(self, llm):
+        self.calls, self.llm = [], llm
+        forward = llm.model.forward
+
+        def logged(tokens, cache, **kw):
+            start = cache.next_pos
+            out = forward(tokens, cache, **kw)
+            self.calls.append((start, [int(t) for t in tokens]))
+            return out
+
+        llm.model.forward = logged
+
+    def sequence(self, calls: int | None = None) -> list[int]:
+        seq = []
+        for start, tokens in self.calls[:calls]:
+            seq = seq[:start] + tokens
+        return seq
+
+
+def turn(chat, fed, text, **options):
+    """One turn; returns (reply, the tokens its prefill fed), and checks that after the prefill
+    the cache held exactly the rendered conversation up to the new assistant turn."""
+    before = len(fed.calls)
+    reply = "".join(r.text for r in chat.send(text, **options))
+    prompt_text = chat.template.render(chat.history[:-1], add_generation_prompt=True)
+    held = fed.sequence(before + 1)
+    assert chat.llm.tokenizer.decode(held, skip_special=False) == prompt_text
+    return reply, fed.calls[before][1]
+
+
+@pytest.mark.parametrize("policy", ["dense", "sink"])
+def test_each_turn_prefills_only_itself(tiny, policy):
+    llm = tinyrt.LLM(tiny, device="reference", kv_size=512, kv_policy=policy)
+    fed = Fed(llm)
+    chat = tinyrt.ChatSession(llm, system="Be brief.", max_tokens=24, temperature=0)
+    _, first = turn(chat, fed, "hello there")
+    full = len(first)
+    for i in range(4):
+        reply, prompt = turn(chat, fed, f"and turn {i}")
+        whole = len(llm.tokenizer.encode(chat.template.render(chat.history[:-1])))
+        assert len(prompt) == chat.last.prompt_tokens and len(prompt) < whole - full
+    assert [m["role"] for m in chat.history] == ["system"] + ["user", "assistant"] * 5
+    assert chat.history[-1]["content"] == reply
+
+
+def test_stopped_replies_stay_and_the_cache_stays_right(tiny):
+    """Leaving the loop after a few tokens, and Ctrl-C in the middle of a forward pass (a
+    KeyboardInterrupt from inside the model): the reply so far stays in the history, the
+    half-done pass is rolled back, and the next turn still prefills only itself."""
+    llm = tinyrt.LLM(tiny, device="reference", kv_size=512)
+    fed = Fed(llm)
+    chat = tinyrt.ChatSession(llm, max_tokens=40, temperature=0, ignore_eos=True)
+    turn(chat, fed, "first")
+    replies = chat.send("second")
+    seen = [r.text for _, r in zip(range(5), replies)]
+    replies.close()
+    assert chat.history[-1]["content"].startswith("".join(seen)) and chat.last_finish is None
+    _, prompt = turn(chat, fed, "third")
+    assert len(prompt) < 40
+
+    rmsnorm, calls = llm.backend.rmsnorm, [0]
+
+    def interrupted(*a):                         # the 4th norm of the 8th decode step
+        calls[0] += 1
+        if calls[0] == 2 * 3 + 7 * 5 + 4:
+            raise KeyboardInterrupt
+        return rmsnorm(*a)
+
+    llm.backend.rmsnorm = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        for _ in chat.send("fourth"):
+            pass
+    llm.backend.rmsnorm = rmsnorm
+    assert chat.history[-2]["content"] == "fourth" and len(chat.messages) == 8
+    assert llm.cache.next_pos == len(fed.sequence())          # the cut pass rolled back
+    _, prompt = turn(chat, fed, "fifth")
+    assert len(prompt) < 40
+
+
+def test_a_cache_that_cannot_roll_back_prefills_everything_again(tiny):
+    llm = tinyrt.LLM(tiny, device="reference", kv_size=64, kv_policy="sink")
+    fed = Fed(llm)
+    chat = tinyrt.ChatSession(llm, max_tokens=80, temperature=0, ignore_eos=True)
+    turn(chat, fed, "first")                     # evicts: 80 tokens through 64 slots
+    rmsnorm = llm.backend.rmsnorm
+    llm.backend.rmsnorm = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        list(chat.send("second"))
+    llm.backend.rmsnorm = rmsnorm
+    _, prompt = turn(chat, fed, "third")
+    assert len(prompt) == len(llm.tokenizer.encode(chat.template.render(chat.history[:-1])))
+
+
+def test_dense_overflow_is_a_clear_error_and_sink_goes_on(tiny):
+    llm = tinyrt.LLM(tiny, kv_size=96)
+    chat = tinyrt.ChatSession(llm, max_tokens=30, temperature=0, ignore_eos=True)
+    with pytest.raises(CacheFullError, match="room for"):
+        for i in range(10):
+            list(chat.send(f"message number {i}"))
+    assert 1 <= len(chat.messages) // 2 < 10
+    chat.reset()
+    assert chat.history == [] and "".join(r.text for r in chat.send("again")) is not None
+    sink = tinyrt.ChatSession(tinyrt.LLM(tiny, kv_size=96, kv_policy="sink"), max_tokens=30,
+                              temperature=0, ignore_eos=True)
+    for i in range(10):
+        list(sink.send(f"message number {i}"))
+    assert len(sink.messages) == 20 and sink.llm.cache.next_pos > 300
+
+
+def test_save_and_load(tiny, tmp_path):
+    llm = tinyrt.LLM(tiny, kv_size=256)
+    chat = tinyrt.ChatSession(llm, system="S", max_tokens=8, temperature=0)
+    list(chat.send("one"))
+    chat.settings["temperature"] = 0.5
+    path = chat.save(tmp_path / "odd name é.json")
+    other = tinyrt.ChatSession(llm, max_tokens=3)
+    other.load(path)
+    assert other.history == chat.history and other.settings["temperature"] == 0.5
+    list(other.send("two"))                      # the loaded conversation prefilled whole
+    assert other.last.prompt_tokens == len(llm.tokenizer.encode(
+        other.template.render(other.history[:-1])))
+    bad = {"not json": "{", "not ours": json.dumps({"messages": []}),
+           "bad message": json.dumps({"format": "tinyrt-chat", "messages": [{"role": "x"}]}),
+           "bad setting": json.dumps({"format": "tinyrt-chat", "messages": [],
+                                      "settings": {"__class__": 1}})}
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(TinyrtError):
+            other.load(tmp_path / name)
+    with pytest.raises(TinyrtError, match="cannot read"):
+        other.load(tmp_path / "missing.json")
+    with pytest.raises(TinyrtError, match="cannot save"):
+        chat.save(tmp_path / "no such dir" / "c.json")
+    assert other.history[-2]["content"] == "two"            # a failed load changes nothing
+
+
+def test_a_model_without_a_chat_template(tiny, tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in tiny.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    llm = tinyrt.LLM(d, kv_size=256)
+    chat = tinyrt.ChatSession(llm, max_tokens=8, temperature=0, ignore_eos=True)
+    fed = Fed(llm)
+    turn(chat, fed, "one")
+    _, prompt = turn(chat, fed, "two")
+    text = chat.template.render(chat.history, add_generation_prompt=False)
+    assert text.startswith("<|im_start|>User: one\nAssistant:" + chat.history[1]["content"] + "\n")
+    assert text.endswith("User: two\nAssistant:" + chat.history[3]["content"] + "\n")
+    whole = llm.tokenizer.encode(chat.template.render(chat.history[:-1]), add_special=True)
+    assert len(prompt) <= len(whole) - 20        # the second turn alone
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def test_piped_chat(tiny, tmp_path):
+    lines = "hello\n/max-tokens 5\n\nsecond turn\n/stats\n/save {}\n".format(tmp_path / "c.json")
+    p = subprocess.run([sys.executable, "-m", "tinyrt", "chat", "-m", str(tiny), "--temperature",
+                        "0", "-n", "12"], input=lines, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["hello", "second turn"]
+    assert saved["settings"]["max_tokens"] == 5
+    for m in saved["messages"][1::2]:
+        assert m["content"] in p.stdout
+    assert "prefill" in p.stderr and "last reply: TTFT" in p.stderr
+
+
+def spawn_chat(model, tmp_path, *args):
+    import pexpect
+
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "data"), TERM="xterm",
+               PROMPT_TOOLKIT_NO_CPR="1")
+    return pexpect.spawn(sys.executable, ["-m", "tinyrt", "chat", "-m", str(model), *args], env=env,
+                         encoding="utf-8", timeout=120, dimensions=(50, 200))
+
+
+def ready(c):
+    """Wait for the input prompt (prompt_toolkit turns bracketed paste on as it starts reading),
+    so that keys sent next go to it."""
+    c.expect_exact("\x1b[?2004h")
+
+
+def test_terminal_chat(tiny, tmp_path):
+    """The real `tinyrt chat` in a pseudo-terminal: a turn, a two-line turn (trailing \\),
+    Ctrl-C in the middle of a long reply, /save, /reset, /load, Ctrl-C at the prompt, Ctrl-D."""
+    c = spawn_chat(tiny, tmp_path, "--kv-size", "4096", "--temperature", "0", "-n", "3000",
+                   "--ignore-eos")
+    c.expect("/help for commands")
+    ready(c)
+    c.sendline("/max-tokens 20")
+    c.expect("max_tokens = 20")
+    ready(c)
+    c.sendline("hello")
+    c.expect(r"20 tokens · cache \d+/4096")
+    ready(c)
+    c.sendline("/max-tokens 3000")
+    ready(c)
+    c.send("two \\\r")
+    c.send("lines\r")
+    time.sleep(0.3)
+    c.sendcontrol("c")
+    c.expect(r"\(stopped\)")
+    ready(c)
+    c.sendline(f"/save {tmp_path / 'c.json'}")
+    c.expect("saved to")
+    saved = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert [m["content"] for m in saved if m["role"] == "user"] == ["hello", "two \nlines"]
+    assert 0 < len(saved[-1]["content"]) and len(saved) == 4
+    ready(c)
+    c.sendline("/reset")
+    c.expect("conversation cleared")
+    ready(c)
+    c.sendline(f"/load {tmp_path / 'c.json'}")
+    c.expect("loaded 4 messages")
+    ready(c)
+    c.send("typed but not sent")
+    c.sendcontrol("c")
+    ready(c)
+    c.sendline("/stats")
+    c.expect(r"finish stopped")
+    ready(c)
+    c.sendcontrol("d")
+    c.expect(pexpect_eof())
+    c.close()
+    assert c.exitstatus == 0
+    history = (tmp_path / "data" / "tinyrt" / "chat_history").read_text()
+    assert "+two \n+lines" in history and "typed but not sent" not in history
+
+
+def pexpect_eof():
+    import pexpect
+
+    return pexpect.EOF
+
+
+@pytest.mark.real_model
+def test_terminal_chat_remembers_the_first_turn(smol_f16, tmp_path):
+    """On the default model, greedy: the follow-up needs the first turn (a new conversation
+    asked the same does not name the city)."""
+    c = spawn_chat(smol_f16, tmp_path, "--temperature", "0", "-n", "60")
+    ready(c)
+    c.sendline("Hi! My name is Tom and I live in Paris.")
+    c.expect(r"tokens · cache \d+/\d+")
+    ready(c)
+    c.sendline("Which city do I live in?")
+    c.expect(r"Which city do I live in\?")
+    c.expect(r"tokens · cache \d+/\d+")
+    follow_up = c.before
+    ready(c)
+    c.sendline("/reset")
+    c.expect("conversation cleared")
+    ready(c)
+    c.sendline("Which city do I live in?")
+    c.expect(r"Which city do I live in\?")
+    c.expect(r"tokens · cache \d+/\d+")
+    fresh = c.before
+    ready(c)
+    c.sendcontrol("d")
+    c.expect(pexpect_eof())
+    assert "Paris" in follow_up and "Paris" not in fresh

@@ -1,0 +1,178 @@
+"""A conversation that keeps its KV cache between turns: `ChatSession`.
+
+Each turn prefills only what is new. The cache holds the conversation's tokens as the model saw
+them (the replies as generated, not re-tokenized); a new turn renders the whole conversation with
+the chat template, and where that text starts with the text the cache holds (the template adds
+only the end of the last reply and the new user turn, as ChatML and its kind do), only the rest
+is tokenized and prefilled. Where it does not (a stop string cut the reply, the system message
+changed, a reply was stopped in the middle of a forward pass on a cache that cannot roll back,
+a loaded conversation), the whole conversation is prefilled again: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from tinyrt.errors import TinyrtError
+
+from .chat_template import ChatTemplate
+from .generate import Response, Timings
+
+# for a model without a chat template; a reply follows "Assistant:" as generated (its own
+# leading space), so that the next turn's text extends the text the cache holds
+PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}Assistant:"
+                  "{{ m.content }}{% else %}{{ m.role | capitalize }}: {{ m.content }}{% endif %}{{ '\\n' }}"
+                  "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+PLAIN_STOP = "\nUser:"
+FORMAT = "tinyrt-chat"
+# the settings a saved conversation may carry (LLM.generation's options) and their types
+SETTINGS = {"max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
+            "min_p": (int, float), "repeat_penalty": (int, float), "seed": int, "stop": list,
+            "ignore_eos": bool}
+
+
+class ChatSession:
+    """A multi-turn chat with `llm` (a `tinyrt.LLM`, whose KV cache it uses).
+
+        chat = tinyrt.ChatSession(llm, system="You are terse.")
+        for r in chat.send("Hi!"):
+            print(r.text, end="")
+
+    `options` are defaults for every turn's `send` (max_tokens, temperature, top_p, ...; see
+    `LLM.generation`); `settings` holds them and may be changed between turns. A reply stopped
+    early (the caller leaves the loop, or Ctrl-C) stays in the history as far as it went.
+    """
+
+    def __init__(self, llm, *, system: str | None = None, **options):
+        self.llm = llm
+        self.system = system
+        self.settings = dict(options)
+        self.messages: list[dict] = []           # user and assistant turns, without the system
+        self.last: Timings | None = None         # the last reply's timings
+        self.last_finish: str | None = None
+        tok = llm.tokenizer
+        self.template = llm.template or ChatTemplate(PLAIN_TEMPLATE, bos_token=tok.bos_token)
+        self._held: str | None = None            # the text whose tokens the cache holds
+        self._pending: list[int] = []            # reply tokens drawn but not yet in the cache
+        self.reset()
+
+    @property
+    def history(self) -> list[dict]:
+        """The conversation as chat messages, the system message first when there is one."""
+        head = [] if self.system is None else [{"role": "system", "content": self.system}]
+        return head + [dict(m) for m in self.messages]
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message and settings stay)."""
+        self.messages = []
+        self._invalidate()
+
+    def set_system(self, text: str | None) -> None:
+        """A new system message; the conversation is prefilled again at the next turn."""
+        self.system = text
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        self.llm.cache.reset()
+        self._held, self._pending = None, []
+
+    # -- a turn ---------------------------------------------------------------------------------
+
+    def send(self, text: str, **options) -> Iterator[Response]:
+        """Stream the reply to the user message `text`, one `Response` per token (the last has
+        `finish_reason`); `options` override `settings` for this turn."""
+        if not isinstance(text, str) or not text.strip():
+            raise TinyrtError("a chat message needs some text")
+        opts = {**self.settings, **options}
+        if self.llm.template is None:
+            opts["stop"] = [*opts.get("stop", ()), PLAIN_STOP]
+        messages = self.history + [{"role": "user", "content": text}]
+        full = self.template.render(messages, add_generation_prompt=True)
+        cache, tok = self.llm.cache, self.llm.tokenizer
+        if self._held is not None and full.startswith(self._held):
+            ids = self._pending + tok.encode(full[len(self._held):], add_special=False)
+        else:
+            self._invalidate()
+            ids = tok.encode(full, add_special=False)
+        gen = self.llm.generation(ids, **opts)       # refuses, before any work, what cannot fit
+        self.messages.append({"role": "user", "content": text})
+        start, pieces = cache.next_pos, []
+        try:
+            for r in gen:
+                pieces.append(r.text)
+                yield r
+        finally:
+            # a reply stopped early keeps the text of all its tokens (the detokenizer may have
+            # held back the last few characters)
+            reply = "".join(pieces) if gen.finish_reason else tok.decode(list(gen.tokens))
+            self.messages.append({"role": "assistant", "content": reply})
+            self.last, self.last_finish = gen.timings, gen.finish_reason
+            self._settle(gen, start, full + reply, reply)
+
+    def _settle(self, gen, start: int, text: str, reply: str) -> None:
+        """After a reply, complete or not: which of its tokens the cache holds, and the text."""
+        cache, tok = self.llm.cache, self.llm.tokenizer
+        t = gen.timings
+        # forward passes that completed: the prompt (when its first token was drawn) and one per
+        # later decode step; a pass cut short by Ctrl-C may have taken slots of its own
+        done = start + (len(gen.prompt) + t.decode_steps if t.ttft_s > 0 else 0)
+        extra = cache.next_pos - done
+        if extra:
+            try:
+                cache.rollback(extra)
+            except ValueError:                   # it evicted: prefill everything next turn
+                self._invalidate()
+                return
+        if t.ttft_s == 0 or tok.decode(list(gen.tokens), skip_special=False) != reply:
+            self._invalidate()                   # no reply, or its text is not its tokens'
+            return                               # (a stop string, a special token)
+        self._held, self._pending = text, list(gen.tokens[t.decode_steps:])
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the conversation (system message, turns, settings) as JSON; returns the path.
+        Written to a temporary file, then renamed: an existing file is replaced whole or kept."""
+        path = Path(path).expanduser()
+        data = {"format": FORMAT, "version": 1, "system": self.system, "messages": self.messages,
+                "settings": self.settings}
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise TinyrtError(f"cannot save the conversation to {path}: {e.strerror or e}") from None
+        return path
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Replace the conversation with one written by `save`; it is prefilled at the next turn."""
+        path = Path(path).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise TinyrtError(f"cannot read {path}: {e.strerror or e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise TinyrtError(f"{path} is not a saved conversation (not JSON)") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise TinyrtError(f"{path} is not a saved conversation")
+        messages, system, settings = data.get("messages"), data.get("system"), data.get("settings", {})
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and m.get("role") in ("user", "assistant")
+                and isinstance(m.get("content"), str) and len(m) == 2 for m in messages):
+            raise TinyrtError(f"{path}: 'messages' must be a list of user and assistant "
+                              "messages with string content")
+        if system is not None and not isinstance(system, str) or not isinstance(settings, dict):
+            raise TinyrtError(f"{path}: 'system' must be a string and 'settings' an object")
+        for key, value in settings.items():
+            kind = SETTINGS.get(key)
+            if kind is None or value is not None and not (
+                    isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))):
+                raise TinyrtError(f"{path}: setting {key!r} is unknown or of the wrong type")
+        self.messages = [dict(m) for m in messages]
+        self.system = system
+        self.settings.update(settings)
+        self._invalidate()
