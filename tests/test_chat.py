@@ -195,6 +195,13 @@ def test_piped_chat(tiny, tmp_path):
     for m in saved["messages"][1::2]:
         assert m["content"] in p.stdout
     assert "prefill" in p.stderr and "last reply: TTFT" in p.stderr
+    # a dense cache too small for the conversation: a message, no traceback, the chat goes on
+    p = subprocess.run([sys.executable, "-m", "tinyrt", "chat", "-m", str(tiny), "--kv-size", "80",
+                        "-n", "30", "--ignore-eos"], input="one\ntwo\nthree\n/reset\nfour\n",
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "/reset to start over" in p.stderr and "conversation cleared" in p.stderr
+    assert p.stderr.count("tokens · cache") >= 2
 
 
 def spawn_chat(model, tmp_path, *args):
