@@ -96,7 +96,11 @@ class Oracle:
         L = model.config.num_hidden_layers
         self.k, self.v = [[] for _ in range(L)], [[] for _ in range(L)]     # per token [G, D]
 
-    def forward(self, tokens) -> np.ndarray:
+    def rollback(self, n: int) -> None:
+        for i in range(len(self.k)):
+            del self.k[i][len(self.k[i]) - n:], self.v[i][len(self.v[i]) - n:]
+
+    def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
         m, cfg = self.m, self.m.config
         n, T = len(self.k[0]), len(tokens)
         Q, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -118,7 +122,8 @@ class Oracle:
             x = x + ref.linear(a.reshape(T, Q * D), L.o)
             gu = ref.linear(ref.rmsnorm(x, L.post_norm, cfg.rms_norm_eps), L.gate_up)
             x = x + ref.linear(ref.ReferenceBackend.swiglu(gu), L.down)
-        return ref.linear(ref.rmsnorm(x[-1:], m.norm, cfg.rms_norm_eps), m.lm_head)
+        return ref.linear(ref.rmsnorm(x if all_logits else x[-1:], m.norm, cfg.rms_norm_eps),
+                          m.lm_head)
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +287,30 @@ def test_dense_stops_at_its_size_and_the_streaming_policies_go_past_it(tiny):
         assert sum(r.token is not None for r in replies) == 300
         assert replies[-1].finish_reason == "length"
         assert llm.cache.next_pos > 300 and llm.cache.length == 16
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+@pytest.mark.parametrize("n_sink", [4, 0])
+def test_sink_rollback_across_wraparounds_agrees_with_the_oracle(tiny, device, n_sink):
+    """Speculative decoding's pattern on a sink cache with 6 slots of slack: passes of 1 to 6
+    tokens, each followed by a rollback of all but at least one of them, 600 times through a
+    24-slot cache (many wrap-arounds, rollbacks across them): every pass's logits, all rows,
+    within 1e-4 of the oracle's (which forgets rolled-back tokens and keeps the last window)."""
+    llm = tinyrt.LLM(tiny, device=device, kv_size=24, kv_type="f32", kv_policy="sink",
+                     sinks=n_sink, draft="lookup", draft_tokens=5)
+    cache, model = llm.cache, llm.model
+    assert cache.slack == 6 and cache.capacity == 30
+    oracle = Oracle(tinyrt.LLM(tiny, device="reference").model, n_sink, 24)
+    worst, rolled = 0.0, 0
+    for _ in range(600):
+        tokens = rng.integers(0, 320, rng.integers(1, 7))
+        got = model.forward(tokens, cache, all_logits=True)
+        want = oracle.forward(tokens, all_logits=True)
+        worst = max(worst, np.abs(got - want).max() / np.abs(want).max())
+        n = int(rng.integers(0, len(tokens)))
+        cache.rollback(n)
+        oracle.rollback(n)
+        rolled += n
+    assert cache.next_pos == len(oracle.k[0]) > 24 + rolled and worst <= 1e-4, worst
+    with pytest.raises(ValueError, match="evicted"):
+        cache.rollback(7)

@@ -17,6 +17,8 @@ from .kv_cache import kv_dtype, make_cache
 from .models import load_model, trim_heap
 from .registry import resolve
 from .sampling import Sampler, SamplingParams
+from .speculative import (MAX_GAMMA, LookupDrafter, ModelDrafter, SpeculativeGeneration,
+                          check_compatible, first_layers)
 from .tokenizer import load_tokenizer
 
 DEFAULT_KV_SIZE = 4096
@@ -52,7 +54,8 @@ class LLM:
 
     def __init__(self, directory: str | os.PathLike, *, device: str = "auto",
                  threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
-                 kv_policy: str = "dense", sinks: int = 4, recent: int | None = None):
+                 kv_policy: str = "dense", sinks: int = 4, recent: int | None = None,
+                 draft: str | os.PathLike | None = None, draft_tokens: int = MAX_GAMMA):
         start = time.perf_counter()
         self.directory = Path(directory)
         try:
@@ -68,13 +71,41 @@ class LLM:
         self.config = cfg = self.model.config
         self.generation_config = _generation_config(self.directory)
         size = kv_size or min(cfg.max_position_embeddings, DEFAULT_KV_SIZE)
-        self.cache = make_cache(kv_policy, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                cfg.head_dim, size, self.backend, kv_dtype(kv_type), sinks, recent)
+        if draft is not None and kv_policy == "h2o":
+            raise TinyrtError("a draft does not work with --kv-policy h2o (its evictions follow "
+                              "the attention of tokens a draft may take back); use dense or sink")
+        if draft is not None and not 1 <= draft_tokens <= 32:
+            raise TinyrtError(f"--draft-tokens must be between 1 and 32, got {draft_tokens}")
+        self.draft_tokens = draft_tokens
+
+        def cache(model_cfg):
+            return make_cache(kv_policy, model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
+                              model_cfg.head_dim, size, self.backend, kv_dtype(kv_type), sinks,
+                              recent, slack=0 if draft is None else draft_tokens + 1)
+
+        self.cache = cache(cfg)
+        self.drafter = None if draft is None else self._drafter(str(draft), cache)
         gen_eos = self.generation_config.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = {i for i in (*cfg.eos_token_ids, *gen_eos, self.tokenizer.eos_id)
                         if isinstance(i, int)}
         self.load_s = time.perf_counter() - start
+
+    def _drafter(self, draft: str, cache):
+        """`lookup`, `layers:N` (this model's first N layers) or a draft model."""
+        if draft == "lookup":
+            return LookupDrafter()
+        if draft.startswith("layers:"):
+            try:
+                n = int(draft.split(":", 1)[1])
+            except ValueError:
+                raise TinyrtError(f"--draft {draft}: N in layers:N is a number of layers") from None
+            model = first_layers(self.model, n)
+            return ModelDrafter(model, cache(model.config), draft)
+        directory = resolve(draft, quiet=True)
+        model = load_model(directory, self.backend)
+        check_compatible(self.tokenizer, load_tokenizer(directory), self.config, model.config)
+        return ModelDrafter(model, cache(model.config), Path(directory).name)
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -124,9 +155,13 @@ class LLM:
         sampler = Sampler(SamplingParams(seed=seed, **params))
         if max_tokens <= 0:
             raise TinyrtError("max tokens must be positive")
-        return Generation(self.model, self.cache, self.tokenizer, ids, sampler,
-                          max_tokens=max_tokens, eos_ids=() if ignore_eos else self.eos_ids,
-                          stop=stop, load_s=self.load_s)
+        args = (self.model, self.cache, self.tokenizer, ids, sampler)
+        kwargs = dict(max_tokens=max_tokens, eos_ids=() if ignore_eos else self.eos_ids,
+                      stop=stop, load_s=self.load_s)
+        if self.drafter is None:
+            return Generation(*args, **kwargs)
+        return SpeculativeGeneration(*args, drafter=self.drafter, max_gamma=self.draft_tokens,
+                                     gamma=min(4, self.draft_tokens), **kwargs)
 
     def generate(self, prompt: Prompt, **options) -> str:
         """The whole reply as text (options as for `stream`)."""
@@ -136,11 +171,17 @@ class LLM:
 def load(model: str | os.PathLike | None = None, *, device: str = "auto",
          threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
          kv_policy: str = "dense", sinks: int = 4, recent: int | None = None,
+         draft: str | os.PathLike | None = None, draft_tokens: int = MAX_GAMMA,
          quiet: bool = False) -> LLM:
     """Load a model: a model directory, a GGUF file or HF directory (converted once and cached),
-    a known name, or None for the default model (fetched and converted on first use)."""
+    a known name, or None for the default model (fetched and converted on first use). `draft`
+    (speculative decoding): a model with the same vocabulary (as `model`), `lookup` (prompt
+    lookup) or `layers:N` (the model's first N layers); drafts of at most `draft_tokens`."""
     start = time.perf_counter()
+    if draft is not None and str(draft) != "lookup" and not str(draft).startswith("layers:"):
+        draft = resolve(draft, quiet=quiet)          # (a file converts here, with progress)
     llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, kv_size=kv_size,
-              kv_type=kv_type, kv_policy=kv_policy, sinks=sinks, recent=recent)
+              kv_type=kv_type, kv_policy=kv_policy, sinks=sinks, recent=recent, draft=draft,
+              draft_tokens=draft_tokens)
     llm.load_s = time.perf_counter() - start
     return llm

@@ -52,14 +52,35 @@ def timed_runs(model, cache, ids: np.ndarray, decode_tokens: int, runs: int):
     return ttft, decode
 
 
+def speculative_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int):
+    """As `timed_runs`, through the generation loop with the LLM's draft; also the drafts'
+    figures of the median run."""
+    llm.model.forward(ids[:8], llm.cache)
+    results = []
+    for _ in range(runs):
+        llm.cache.reset()
+        g = llm.generation(ids, max_tokens=decode_tokens + 1, temperature=0, ignore_eos=True)
+        for _ in g:
+            pass
+        t = g.timings
+        results.append((t.decode_s / t.decode_steps, t.ttft_s, t.speculative.as_dict()))
+    results.sort(key=lambda r: r[0])
+    return [r[1] for r in results], [r[0] for r in results], results[len(results) // 2][2]
+
+
 def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) -> dict:
-    """Measure `llm` (a tinyrt.LLM); returns a dict of figures (medians over `runs`)."""
+    """Measure `llm` (a tinyrt.LLM); returns a dict of figures (medians over `runs`). With a
+    draft, decode is greedy speculative decoding and "speculative" holds the drafts' figures."""
     model, cache = llm.model, llm.cache
     ids = prompt_ids(llm, prompt_tokens)
     if prompt_tokens + decode_tokens > cache.capacity:
         raise ValueError(f"prompt + decode = {prompt_tokens + decode_tokens} tokens exceed the "
                          f"KV cache of {cache.capacity}")
-    ttft, decode = timed_runs(model, cache, ids, decode_tokens, runs)
+    spec = None
+    if llm.drafter is None:
+        ttft, decode = timed_runs(model, cache, ids, decode_tokens, runs)
+    else:
+        ttft, decode, spec = speculative_runs(llm, ids, decode_tokens, runs)
     step = statistics.median(decode)
     per_token = weight_bytes(model)
     row = cache.k[0, :, 0].nbytes                      # one slot of one layer's K: [kv_heads, D]
@@ -74,4 +95,5 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "weight_mb_per_token": per_token / 1e6, "kv_mb_per_token": kv_per_token / 1e6,
         "decode_gb_s": (per_token + kv_per_token) / step / 1e9,
+        **({} if spec is None else {"speculative": spec}),
     }

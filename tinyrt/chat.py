@@ -100,11 +100,13 @@ class ChatSession:
         gen = self.llm.generation(ids, **opts)       # refuses, before any work, what cannot fit
         self.messages.append({"role": "user", "content": text})
         start, pieces = cache.next_pos, []
+        replies = iter(gen)
         try:
-            for r in gen:
+            for r in replies:
                 pieces.append(r.text)
                 yield r
         finally:
+            replies.close()          # the generation settles first (a speculative step's caches)
             # a reply stopped early keeps the text of all its tokens (the detokenizer may have
             # held back the last few characters)
             reply = "".join(pieces) if gen.finish_reason else tok.decode(list(gen.tokens))

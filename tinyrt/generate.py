@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -29,7 +29,8 @@ class Timings:
     prefill_s: float = 0.0       # the forward pass over the prompt
     ttft_s: float = 0.0          # start of the request to the first token
     decode_s: float = 0.0        # every later forward pass and draw
-    decode_steps: int = 0
+    decode_steps: int = 0        # tokens after the first
+    speculative: Any = None      # speculative.SpecStats when a draft proposes tokens
 
     @property
     def prefill_tok_s(self) -> float:
@@ -42,6 +43,10 @@ class Timings:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["prefill_tok_s"], d["decode_tok_s"] = self.prefill_tok_s, self.decode_tok_s
+        if self.speculative is None:
+            del d["speculative"]
+        else:
+            d["speculative"] = self.speculative.as_dict()
         return d
 
 
@@ -141,19 +146,23 @@ class Generation:
         detok = Detokenizer(self.tokenizer)
         t = self.timings
         reason, hit_stop = "length", False
-        for tok in self._token_ids():
-            if tok in self.eos_ids:
-                reason = "stop"
-                break
-            self.tokens.append(tok)
-            t.generated_tokens = len(self.tokens)
-            text, hit_stop = self.stop.feed(detok.add(tok))
-            yield Response(text, tok, None, t)
-            if hit_stop:
-                reason = "stop"
-                break
-            if len(self.tokens) >= self.max_tokens:
-                break
+        ids = self._token_ids()
+        try:
+            for tok in ids:
+                if tok in self.eos_ids:
+                    reason = "stop"
+                    break
+                self.tokens.append(tok)
+                t.generated_tokens = len(self.tokens)
+                text, hit_stop = self.stop.feed(detok.add(tok))
+                yield Response(text, tok, None, t)
+                if hit_stop:
+                    reason = "stop"
+                    break
+                if len(self.tokens) >= self.max_tokens:
+                    break
+        finally:
+            ids.close()          # (a speculative step settles its caches)
         tail = ""
         if not hit_stop:  # release what was held back, unless a stop string cut the reply
             tail, hit_stop = self.stop.feed(detok.flush())

@@ -87,8 +87,12 @@ class KVCache:
     def _taken(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:
         G = self.kv_heads
         self._slots = np.ascontiguousarray(np.broadcast_to(slots, (G, len(slots))))
-        self._k_pos = np.ascontiguousarray(np.broadcast_to(self.slot_pos[:self.span], (G, self.span)))
+        self._k_pos = np.ascontiguousarray(np.broadcast_to(self._visible(), (G, self.span)))
         return pos
+
+    def _visible(self) -> np.ndarray:
+        """The positions of slots [0, span) that attention reads (-1: not read)."""
+        return self.slot_pos[:self.span]
 
     def layer(self, i: int):
         """Layer i's K and V buffers [G, capacity, D], the slots its KV heads write the tokens
@@ -117,7 +121,9 @@ class KVCache:
 class SinkCache(KVCache):
     """StreamingLLM: the first n_sink tokens stay in slots [0, n_sink) (the attention sinks);
     later tokens take the other W = capacity - n_sink slots as a ring, each overwriting the
-    oldest. n_sink = 0 is the plain sliding window.
+    oldest. n_sink = 0 is the plain sliding window. `slack` slots more in the ring keep as many
+    older tokens, unread, so that the last `slack` tokens can be rolled back (speculative
+    decoding) however far the ring has wrapped: attention still reads the sinks and the last W.
 
     Positions within the cache (StreamingLLM section 3.2) without re-rotating the cache: a token
     keeps the RoPE rotation of its position in the stream, which gives the right distance
@@ -133,13 +139,16 @@ class SinkCache(KVCache):
     streams = True
 
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, capacity: int, backend,
-                 dtype=np.float16, n_sink: int = 4):
+                 dtype=np.float16, n_sink: int = 4, slack: int = 0):
         if not 0 <= n_sink < capacity:
             raise CacheFullError(f"--sinks {n_sink} must be at least 0 and below the KV cache "
                                  f"size {capacity}")
-        super().__init__(n_layers, kv_heads, head_dim, capacity, backend, dtype)
+        super().__init__(n_layers, kv_heads, head_dim, capacity + slack, backend, dtype)
+        self.size = capacity         # the sinks and the window; slack slots come on top
         self.n_sink = n_sink
         self.window = capacity - n_sink
+        self.ring = self.window + slack
+        self.slack = slack
         self.sink_keys = None        # float32 [n_layers, n_sink, kv_heads, D], un-rotated
         self.rotated_shift = 0       # the shift the cached sink keys are rotated for
 
@@ -148,20 +157,36 @@ class SinkCache(KVCache):
         # a chunk that filled the whole window would see only the sinks before it
         return max(1, min(512, self.window // 2))
 
+    @property
+    def free(self) -> int:
+        return self.size - self.length
+
     def fits(self, n: int) -> bool:
         return True            # in chunks, evicting
 
     @property
     def sink_shift(self) -> int:
         """(oldest position in the window) - n_sink: 0 until the window first wraps."""
-        return max(0, self.next_pos - self.capacity)
+        return max(0, self.next_pos - self.size)
+
+    def _visible(self) -> np.ndarray:
+        pos = self.slot_pos[:self.span]
+        if not self.slack:
+            return pos
+        # the slack slots' older tokens are kept for a rollback, not read: attention reads the
+        # sinks and the last `window` positions, as without slack
+        return np.where((pos >= self.n_sink) & (pos < self.next_pos - self.window), -1, pos)
+
+    def _slot(self, pos: np.ndarray) -> np.ndarray:
+        return np.where(pos < self.n_sink, pos, self.n_sink + (pos - self.n_sink) % self.ring)
 
     def allocate(self, n: int) -> np.ndarray:
         self._check_chunk(n)
+        slots = self._slot(np.arange(self.next_pos, self.next_pos + n))
+        self.length += int((self.slot_pos[slots] < 0).sum())
         pos = self._positions(n)
-        slots = np.where(pos < self.n_sink, pos, self.n_sink + (pos - self.n_sink) % self.window)
         self.slot_pos[slots] = pos
-        self.span = self.length
+        self.span = max(self.span, int(slots.max()) + 1)
         return self._taken(slots, pos)
 
     def _check_chunk(self, n: int) -> None:
@@ -172,16 +197,24 @@ class SinkCache(KVCache):
     def _positions(self, n: int) -> np.ndarray:
         pos = np.arange(self.next_pos, self.next_pos + n)
         self.next_pos += n
-        self.length = min(self.next_pos, self.capacity)
         return pos
 
     def rollback(self, n: int) -> None:
-        """Forget the last n appended tokens; refused where they overwrote older ones (those are
-        gone)."""
-        if not 0 <= n <= self.length or self.next_pos > self.capacity:
+        """Forget the last n appended tokens. The tokens they overwrote are gone: refused unless
+        the window keeps its `window` most recent tokens, which the `slack` slots allow for up
+        to `slack` tokens (speculative decoding's drafts)."""
+        ring = self.length - min(self.n_sink, self.next_pos)           # tokens in the ring
+        gone = min(n, max(0, self.next_pos - self.n_sink))               # of them rolled back
+        keep = min(self.window, max(0, self.next_pos - n - self.n_sink))
+        if not 0 <= n <= self.next_pos or ring - gone < keep:
             raise ValueError(f"cannot roll back {n} tokens of a {self.policy} cache that has "
-                             "evicted tokens")
-        super().rollback(n)
+                             "evicted the tokens before them")
+        slots = self._slot(np.arange(self.next_pos - n, self.next_pos))
+        self.slot_pos[slots] = -1
+        self.length -= n
+        self.next_pos -= n
+        used = np.flatnonzero(self.slot_pos >= 0)
+        self.span = int(used[-1]) + 1 if used.size else 0
 
     def reset(self) -> None:
         super().reset()
@@ -237,7 +270,7 @@ class H2OCache(SinkCache):
                 slots[..., n - evict:] = np.argsort(key, axis=-1, kind="stable")[..., :evict]
         np.put_along_axis(self.slot_pos, slots, pos, axis=-1)
         np.put_along_axis(self.score, slots, 0, axis=-1)
-        self.span = self.length
+        self.length = self.span = held + n - evict
         self._slots = slots
         return pos
 
@@ -246,6 +279,13 @@ class H2OCache(SinkCache):
         if self.span < self.capacity:
             k_pos = np.ascontiguousarray(k_pos)
         return self.k[i], self.v[i], self._slots[i], k_pos, self.score[i]
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n appended tokens; refused once tokens were evicted (the scores of
+        every token have moved since)."""
+        if not 0 <= n <= self.length or self.next_pos > self.capacity:
+            raise ValueError(f"cannot roll back {n} tokens of an h2o cache that has evicted tokens")
+        KVCache.rollback(self, n)
 
     def reset(self) -> None:
         super().reset()
@@ -256,13 +296,15 @@ POLICIES = {"dense": KVCache, "sink": SinkCache, "h2o": H2OCache}
 
 
 def make_cache(policy: str, n_layers: int, kv_heads: int, head_dim: int, capacity: int, backend,
-               dtype=np.float16, n_sink: int = 4, recent: int | None = None) -> KVCache:
-    """A KV cache of the named policy (`--kv-policy`); n_sink for sink and h2o, recent for h2o."""
+               dtype=np.float16, n_sink: int = 4, recent: int | None = None,
+               slack: int = 0) -> KVCache:
+    """A KV cache of the named policy (`--kv-policy`); n_sink for sink and h2o, recent for h2o,
+    slack (rollback after eviction) for sink."""
     if policy not in POLICIES:
         raise TinyrtError(f"unknown KV cache policy {policy!r}: choose one of {', '.join(POLICIES)}")
     args = (n_layers, kv_heads, head_dim, capacity, backend, dtype)
     if policy == "dense":
         return KVCache(*args)
     if policy == "sink":
-        return SinkCache(*args, n_sink)
+        return SinkCache(*args, n_sink, slack)
     return H2OCache(*args, n_sink, recent)

@@ -95,4 +95,28 @@ class Sampler:
         if p.temperature == 0:
             return int(np.argmax(x))
         ids, probs = filtered_probs(x, p)
+        return self._pick(ids, probs)
+
+    def _pick(self, ids: np.ndarray, probs: np.ndarray) -> int:
         return int(ids[min(np.searchsorted(np.cumsum(probs), self.rng.random()), len(ids) - 1)])
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = (),
+                     size: int | None = None) -> np.ndarray:
+        """The distribution `__call__` draws from, dense over `size` ids (default: the logits'):
+        float64 [size]; greedy puts all the mass on the argmax."""
+        p = self.params
+        x = apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n)
+        out = np.zeros(size or len(x))
+        if p.temperature == 0:
+            out[int(np.argmax(x))] = 1.0
+        else:
+            ids, probs = filtered_probs(x, p)
+            out[ids] = probs
+        return out
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token from a dense distribution (the argmax when greedy)."""
+        if self.params.temperature == 0:
+            return int(np.argmax(probs))
+        ids = np.flatnonzero(probs)
+        return self._pick(ids, probs[ids] / probs[ids].sum())

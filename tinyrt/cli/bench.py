@@ -7,6 +7,8 @@ import json
 
 from tinyrt.kernels import DEVICES
 
+from .options import add_draft_options
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure a model's speed and memory",
@@ -19,6 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
+    add_draft_options(p)
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -29,7 +32,8 @@ def main(args: argparse.Namespace) -> int:
     from tinyrt import bench
     from tinyrt.errors import TinyrtError
 
-    llm = tinyrt.load(args.model, device=args.device, threads=args.threads,
+    llm = tinyrt.load(args.model, device=args.device, threads=args.threads, draft=args.draft,
+                      draft_tokens=args.draft_tokens,
                       kv_size=args.prompt_tokens + args.decode_tokens)
     try:
         r = bench.run(llm, args.prompt_tokens, args.decode_tokens, args.runs)
@@ -47,4 +51,9 @@ def main(args: argparse.Namespace) -> int:
           f"  peak RSS       {r['peak_rss_mb']:8.0f} MB\n"
           f"  read/token     {r['weight_mb_per_token']:8.1f} MB weights + "
           f"{r['kv_mb_per_token']:.1f} MB KV cache -> {r['decode_gb_s']:.1f} GB/s")
+    s = r.get("speculative")
+    if s:
+        print(f"  draft          {s['drafter']}: {s['accept_rate']:.0%} of drafts accepted, "
+              f"{s['tokens_per_step']:.2f} tokens per target pass, gamma {s['gamma']}, "
+              f"draft {s['draft_s']:.2f} s / target {s['target_s']:.2f} s")
     return 0

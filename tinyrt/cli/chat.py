@@ -11,7 +11,8 @@ import threading
 
 from tinyrt.errors import CacheFullError, TinyrtError
 
-from .options import add_generation_options, add_model_option, generation_kwargs, load_llm
+from .options import (add_generation_options, add_model_option, generation_kwargs, load_llm,
+                      speculative_line)
 
 HELP = """\
 /help              this list
@@ -165,7 +166,7 @@ def stats(session) -> str:
             f"{t.prefill_tok_s:.1f} tok/s · decode {t.generated_tokens} tokens at "
             f"{t.decode_tok_s:.1f} tok/s · finish {session.last_finish or 'stopped'}\n"
             f"KV cache: {cache.length}/{cache.capacity} tokens held, {cache.next_pos} seen, "
-            f"policy {policy}")
+            f"policy {policy}" + ("\n" + speculative_line(t) if t.speculative else ""))
 
 
 class Terminal:

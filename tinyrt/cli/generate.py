@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from .options import add_generation_options, add_model_option, generation_kwargs, load_llm
+from .options import (add_generation_options, add_model_option, generation_kwargs, load_llm,
+                      speculative_line)
 
 
 def add_parser(sub) -> None:
@@ -35,6 +36,8 @@ def main(args: argparse.Namespace) -> int:
     t = last.timings
     timings = {"load_s": t.load_s, "ttft_s": t.ttft_s, "prefill_tok_s": t.prefill_tok_s,
                "decode_tok_s": t.decode_tok_s}
+    if t.speculative is not None:
+        timings["speculative"] = t.speculative.as_dict()
     if args.json:
         print(json.dumps({"text": "".join(text), "tokens": tokens,
                           "finish_reason": last.finish_reason, "timings": timings}))
@@ -45,4 +48,6 @@ def main(args: argparse.Namespace) -> int:
               f"prefill {t.prompt_tokens} tok @ {t.prefill_tok_s:.1f} tok/s · "
               f"decode {t.generated_tokens} tok @ {t.decode_tok_s:.1f} tok/s · "
               f"finish {last.finish_reason}", file=sys.stderr)
+        if t.speculative is not None:
+            print(speculative_line(t), file=sys.stderr)
     return 0

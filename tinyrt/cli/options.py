@@ -29,8 +29,20 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="stop when this text appears (repeatable)")
     r = p.add_argument_group("runtime")
     add_cache_options(r, policy="dense")
+    add_draft_options(r)
     r.add_argument("--device", choices=DEVICES, default="auto")
     r.add_argument("--threads", type=int, default=None)
+
+
+def add_draft_options(g) -> None:
+    from tinyrt.speculative import MAX_GAMMA
+
+    g.add_argument("--draft", default=None, metavar="MODEL|lookup|layers:N",
+                   help="speculative decoding: a draft model with the same vocabulary, 'lookup' "
+                        "(drafts copied from earlier text: replies that quote the prompt) or "
+                        "'layers:N' (the model's own first N layers)")
+    g.add_argument("--draft-tokens", type=int, default=MAX_GAMMA,
+                   help=f"most tokens drafted per step; the number adapts (default {MAX_GAMMA})")
 
 
 def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
@@ -69,4 +81,15 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
 def load_llm(args: argparse.Namespace):
     import tinyrt
 
-    return tinyrt.load(args.model, device=args.device, threads=args.threads, **cache_kwargs(args))
+    return tinyrt.load(args.model, device=args.device, threads=args.threads, draft=args.draft,
+                       draft_tokens=args.draft_tokens, **cache_kwargs(args))
+
+
+def speculative_line(t) -> str:
+    """The drafts' figures of a reply's timings (empty without a draft)."""
+    s = t.speculative
+    if s is None:
+        return ""
+    return (f"draft {s.drafter}: {s.accepted}/{s.drafted} accepted ({s.accept_rate:.0%}) · "
+            f"{s.tokens_per_step:.2f} tokens per target pass · gamma {s.gamma} · "
+            f"draft {s.draft_s:.2f} s, target {s.target_s:.2f} s")

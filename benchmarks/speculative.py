@@ -1,0 +1,80 @@
+"""Speculative decoding against the target alone, in one run (greedy, 2 threads by default).
+
+    python benchmarks/speculative.py --target F16_DIR --draft AWQ_DIR [--tokens 128] [--runs 3]
+        [--layers 6 10]
+
+For each prompt (open chat, and a summarise-this-text prompt that a reply may quote), the
+decode speed of: the target alone; the target with the draft model; the target with prompt
+lookup; and, for the draft (an AWQ model) as a target of its own, that model alone and with
+its own first N layers as the draft (`layers:N`). Runs alternate between configurations;
+figures are medians. Every speculative reply is checked token for token against its target's.
+"""
+
+import argparse
+import statistics
+
+CHAT = [
+    "Tell me a short story about a robot who learns to paint.",
+    "How does a bicycle stay upright? Explain simply.",
+    "Give me five tips for learning a new language.",
+]
+
+
+def summarise_prompt() -> str:
+    from tinyrt.converters.calibration import default_text
+
+    text = default_text()
+    start = text.find("\n\n", len(text) // 3)
+    return "Summarize the following text in a few sentences.\n\n" + text[start:start + 1500].strip()
+
+
+def run(llm, prompt: str, tokens: int):
+    replies = list(llm.stream(prompt, max_tokens=tokens, temperature=0))
+    return [r.token for r in replies if r.token is not None], replies[-1].timings
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="float model (default: the default model)")
+    p.add_argument("--draft", required=True, help="its AWQ version")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, nargs="*", default=[6, 10])
+    args = p.parse_args()
+    import tinyrt
+
+    def load(model, draft=None):
+        return tinyrt.load(model, threads=args.threads, kv_size=2048, draft=draft, quiet=True)
+
+    configs = {"target": (load(args.target), None), "+ draft": (load(args.target, args.draft), "target"),
+               "+ lookup": (load(args.target, "lookup"), "target"),
+               "awq alone": (load(args.draft), None)}
+    for n in args.layers:
+        configs[f"awq + layers:{n}"] = (load(args.draft, f"layers:{n}"), "awq alone")
+    prompts = {f"chat {i + 1}": q for i, q in enumerate(CHAT)}
+    prompts["summarise"] = summarise_prompt()
+    for name, prompt in prompts.items():
+        speed = {c: [] for c in configs}
+        stats, outputs = {}, {}
+        for _ in range(args.runs):
+            for c, (llm, _ref) in configs.items():
+                ids, t = run(llm, prompt, args.tokens)
+                speed[c].append(t.decode_tok_s)
+                outputs[c], stats[c] = ids, t.speculative
+        print(f"{name} ({len(outputs['target'])} tokens):")
+        for c, (_llm, ref) in configs.items():
+            tok_s = statistics.median(speed[c])
+            line = f"  {c:16s} {tok_s:6.1f} tok/s"
+            if ref is not None:
+                s = stats[c]
+                same = "identical" if outputs[c] == outputs[ref] else "DIFFERENT"
+                line += (f"  x{tok_s / statistics.median(speed[ref]):.2f} vs {ref}; accepted "
+                         f"{s.accept_rate:.0%} of {s.drafted}, {s.tokens_per_step:.2f} tokens per "
+                         f"target pass, gamma {s.drafted / max(1, s.target_steps):.1f} on "
+                         f"average, {s.gamma} at the end; output {same}")
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Speculative decoding (Leviathan et al., 2023): a draft proposes gamma tokens, the target scores
+them all in one forward pass (the prompt path), and an acceptance rule keeps exactly the target's
+output distribution: draft token x, drawn from the draft's distribution q, stays with probability
+min(1, p(x) / q(x)), p being the target's; the first one rejected is replaced by a draw from
+norm(max(0, p - q)); when all gamma stay, the target's next distribution gives one token more.
+Greedy decoding is the special case of one-hot p and q: the output is the target's own greedy
+output, token for token.
+
+Drafters:
+- `ModelDrafter`: a smaller model with the same vocabulary and its own KV cache;
+- `LookupDrafter`: prompt lookup, no model: the tokens that followed the latest earlier
+  occurrence of the context's last n-gram (replies that quote their input);
+- a model's first layers with its final norm and head (`first_layers`), a derived draft.
+
+Both caches roll back what the target rejects; a sink cache keeps gamma + 1 slots of slack for
+that (kv_cache.SinkCache). The h2o policy cannot roll back an eviction, so it takes no draft.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from tinyrt.errors import TinyrtError
+
+from .generate import Generation
+
+MAX_GAMMA = 8           # the default bound of the drafts' length (--draft-tokens)
+VOCAB_MARGIN = 128      # vocabularies may differ in size by this much (padding rows)
+
+Choose = Callable[[np.ndarray, Sequence[int]], "tuple[int, np.ndarray]"]
+
+
+def check_compatible(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
+    """A clear error naming the first difference between two models' vocabularies."""
+    sizes = (target_cfg.vocab_size, draft_cfg.vocab_size)
+    if abs(sizes[0] - sizes[1]) > VOCAB_MARGIN:
+        raise TinyrtError(f"the draft model's vocabulary ({sizes[1]} tokens) does not match the "
+                          f"target's ({sizes[0]})")
+    for name in ("bos_id", "eos_id"):
+        a, b = getattr(target_tok, name), getattr(draft_tok, name)
+        if a != b:
+            raise TinyrtError(f"the draft model's {name[:3].upper()} token is {b}, the target's {a}")
+    for i in range(min(target_tok.vocab_size, draft_tok.vocab_size)):
+        a, b = target_tok.id_to_token(i), draft_tok.id_to_token(i)
+        if a != b:
+            raise TinyrtError(f"token {i} is {a!r} in the target's vocabulary but {b!r} in the "
+                              "draft model's")
+
+
+def first_layers(model, n: int):
+    """The model's first n decoder layers with its final norm and LM head: a draft that shares
+    the target's weights (no memory of its own but its KV cache)."""
+    if not 1 <= n < model.config.num_hidden_layers:
+        raise TinyrtError(f"a derived draft takes 1 to {model.config.num_hidden_layers - 1} of "
+                          f"the model's layers, not {n}")
+    draft = copy.copy(model)
+    draft.layers = model.layers[:n]
+    draft.config = dataclasses.replace(model.config, num_hidden_layers=n)
+    return draft
+
+
+class ModelDrafter:
+    """A draft model with its own KV cache, kept in step with the target's: what it has seen is
+    the target cache's tokens (`pending` the ones it has not run yet)."""
+
+    def __init__(self, model, cache, name: str = "model"):
+        self.model, self.cache, self.name = model, cache, name
+        self.pending: list[int] = []
+        self.synced: int | None = None     # the target cache's next_pos the draft agrees with
+        self._fed_drafts = 0
+
+    def start(self, prompt: Sequence[int], target_pos: int) -> None:
+        """A generation starts: the target cache holds `target_pos` tokens, `prompt` comes next.
+        A draft that lost step (the target's cache was reset or rolled back elsewhere) starts
+        again from the prompt alone: its proposals are worse, never wrong."""
+        if self.synced != target_pos:
+            self.cache.reset()
+            self.pending = []
+        self.pending += list(prompt)
+        self.synced = None
+
+    def propose(self, token: int, gamma: int, choose: Choose) -> tuple[list[int], np.ndarray]:
+        """gamma tokens to follow `token` (the target's last, not in its cache yet), and the
+        distributions they were drawn from [gamma, V]."""
+        if gamma == 0:                         # (the target takes `token` alone)
+            self.pending.append(token)
+            return [], np.zeros((0, 0))
+        feed, self.pending = self.pending + [token], []
+        drafts, q = [], []
+        for j in range(gamma):
+            if j:
+                feed = [drafts[-1]]
+            logits = self.model.backend.to_numpy(self.model.forward(feed, self.cache))[-1]
+            x, dist = choose(logits, drafts)
+            drafts.append(x)
+            q.append(dist)
+        self._fed_drafts = gamma - 1           # the last draft is not run
+        return drafts, np.array(q)
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        """The target kept `accepted`, the first drafts of the last proposal."""
+        k, fed = len(accepted), self._fed_drafts
+        if k < fed:
+            self.cache.rollback(fed - k)
+        self.pending += accepted[fed:]
+        self._fed_drafts = 0
+
+    def finish(self, target_pos: int, trim: int) -> None:
+        """The generation ended with the target cache at `target_pos`, after it dropped its last
+        `trim` tokens: drop them here too."""
+        drop = min(trim, len(self.pending))
+        self.pending = self.pending[:len(self.pending) - drop]
+        try:
+            self.cache.rollback(trim - drop)
+            self.synced = target_pos
+        except ValueError:
+            self.synced = None
+
+    def lost(self) -> None:
+        self.synced = None
+
+
+class LookupDrafter:
+    """Prompt lookup decoding: find the latest earlier occurrence of the last `ngram` tokens of
+    the context (then shorter n-grams, down to `min_ngram`) and propose the tokens that followed
+    it. The context is the prompt and the reply so far (its last `window` tokens)."""
+
+    name = "lookup"
+
+    def __init__(self, ngram: int = 3, min_ngram: int = 1, window: int = 4096):
+        self.ngram, self.min_ngram, self.window = ngram, min_ngram, window
+        self.seq = np.zeros(0, np.int64)
+
+    def start(self, prompt: Sequence[int], target_pos: int) -> None:
+        self.seq = np.asarray(prompt[-self.window:], dtype=np.int64)
+
+    def propose(self, token: int, gamma: int, choose: Choose) -> tuple[list[int], None]:
+        self.seq = np.append(self.seq[1 - self.window:], token)
+        seq, n_seq = self.seq, len(self.seq)
+        if gamma == 0:
+            return [], None
+        for n in range(min(self.ngram, n_seq - 1), self.min_ngram - 1, -1):
+            # starts i of earlier copies of the last n tokens, with a token after them
+            match = np.ones(n_seq - n, bool)
+            for o in range(n):
+                match &= seq[o:n_seq - n + o] == seq[n_seq - n + o]
+            hits = np.flatnonzero(match)
+            if hits.size:
+                i = hits[-1] + n                     # the latest copy
+                return [int(x) for x in seq[i:i + gamma]], None
+        return [], None
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        if accepted:
+            self.seq = np.append(self.seq, accepted)[-self.window:]
+
+    def finish(self, target_pos: int, trim: int) -> None:
+        pass
+
+    def lost(self) -> None:
+        pass
+
+
+def accept(p_rows: Callable[[int], np.ndarray], q: np.ndarray | None, drafts: Sequence[int],
+           sampler) -> tuple[int, int]:
+    """Leviathan et al.'s rule: (how many drafts stay, the token that follows them). `p_rows(j)`
+    is the target's distribution after the first j drafts; `q` [gamma, V] the draft's (None: a
+    deterministic draft, q one-hot)."""
+    for j, x in enumerate(drafts):
+        p = p_rows(j)
+        qx = 1.0 if q is None else q[j, x]
+        if p[x] >= qx or sampler.rng.random() * qx < p[x]:
+            continue
+        r = p.copy()
+        if q is None:
+            r[x] = 0.0
+        else:
+            r = np.maximum(r - q[j], 0.0)
+        return j, sampler.draw(r / r.sum())
+    return len(drafts), sampler.draw(p_rows(len(drafts)))
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """What the drafts did in one reply (in `Timings.speculative`)."""
+
+    drafter: str = ""
+    draft_s: float = 0.0          # proposing
+    target_s: float = 0.0         # the target's passes over the drafts, and acceptance
+    target_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    gamma: int = 0                # the drafts' length at the end (it adapts)
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens each target pass produced: the accepted drafts and the one that follows."""
+        return (self.accepted + self.target_steps) / self.target_steps if self.target_steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["accept_rate"], d["tokens_per_step"] = self.accept_rate, self.tokens_per_step
+        return d
+
+
+class SpeculativeGeneration(Generation):
+    """A `Generation` whose decode steps draft and verify. `gamma` drafts per step to start
+    with, adapting within [1, max_gamma]: one more after a step that kept all, one fewer after
+    one that kept less than half."""
+
+    def __init__(self, *args, drafter, gamma: int = 4, max_gamma: int = MAX_GAMMA,
+                 adapt: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not 1 <= gamma <= max_gamma:
+            raise TinyrtError(f"draft tokens must be between 1 and {max_gamma}, got {gamma}")
+        self.drafter, self.gamma, self.max_gamma, self.adapt = drafter, gamma, max_gamma, adapt
+        self.timings.speculative = SpecStats(drafter=drafter.name, gamma=gamma)
+
+    def _token_ids(self) -> Iterator[int]:
+        t, s, cache, sampler = self.timings, self.timings.speculative, self.cache, self.sampler
+        V = self.model.config.vocab_size
+        keep = sampler.history_size
+        self.drafter.start(self.prompt, cache.next_pos)
+        start = time.perf_counter()
+        logits = self._logits(self.prompt)
+        t.prefill_s = time.perf_counter() - start
+        history = self.prompt[len(self.prompt) - keep:] if keep else []
+        out = [sampler(logits, history)]
+        t.ttft_s = time.perf_counter() - start
+        produced, held = 0, 0      # tokens yielded; of the last `out`, tokens the cache holds
+        try:
+            while True:
+                for i, tok in enumerate(out):
+                    if keep:
+                        history.append(tok)
+                    produced += 1
+                    t.decode_steps = produced - 1
+                    held = len(out) - 1 - i   # the cache holds out[:-1]; the caller has out[:i+1]
+                    yield tok
+                held = 0
+                if keep and len(history) > 2 * keep:
+                    del history[:-keep]
+                tok = out[-1]
+                gamma = min(self.gamma, self.max_tokens - produced - 1, cache.chunk - 1)
+                while gamma > 0 and not cache.fits(gamma + 1):
+                    gamma -= 1
+                if not cache.fits(1):
+                    break
+                step = time.perf_counter()
+
+                def choose(logits, drafts):
+                    if len(logits) < V:            # a draft vocabulary a few ids smaller
+                        logits = np.concatenate([logits, np.full(V - len(logits), -np.inf)])
+                    d = sampler.distribution(logits[:V], history + drafts if keep else ())
+                    return sampler.draw(d), d
+
+                drafts, q = self.drafter.propose(tok, gamma, choose)
+                verify = time.perf_counter()
+                rows = self.model.backend.to_numpy(
+                    self.model.forward([tok, *drafts], cache, all_logits=True))
+
+                def p_rows(j):
+                    return sampler.distribution(rows[j], history + drafts[:j] if keep else ())
+
+                k, nxt = accept(p_rows, q, drafts, sampler)
+                cache.rollback(len(drafts) - k)
+                self.drafter.commit(drafts[:k])
+                out = [*drafts[:k], nxt]
+                end = time.perf_counter()
+                t.decode_s += end - step
+                s.draft_s += verify - step
+                s.target_s += end - verify
+                s.target_steps += 1
+                s.drafted += len(drafts)
+                s.accepted += k
+                if self.adapt and drafts:
+                    if k == len(drafts) == self.gamma:
+                        self.gamma = min(self.gamma + 1, self.max_gamma)
+                    elif k < len(drafts) // 2:
+                        self.gamma = max(1, self.gamma - 1)
+                    s.gamma = self.gamma
+            self.drafter.finish(cache.next_pos, 0)
+        except GeneratorExit:
+            # the caller stopped at a token the cache already holds the tokens after: drop them,
+            # so the cache holds what came before the last token, as after a plain decode step
+            if held:
+                cache.rollback(held)
+            self.drafter.finish(cache.next_pos, held)
+            raise
+        except BaseException:
+            self.drafter.lost()            # (the caller settles the target's cache)
+            raise
