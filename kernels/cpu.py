@@ -10,9 +10,12 @@ activations in integers, 32 pairs per instruction (simd.pair_dot), then per bloc
     y[o] += s[g, o] * (sx[b] * sum_{i in b} x_q[i] q[i, o]  -  z[g, o] * sx[b] * sum_{i in b} x_q[i])
 
 One token runs each decoder layer as one fused kernel call (decode_layer); GEMVs and decode
-attention split their work among threads.
+attention split their work among threads. A few tokens (up to SMALL_TOKENS: a draft's
+verification) run the same GEMVs with each weight read from memory once for all of them, and
+decode attention per token: every token's result is, to the bit, what it would be alone, so a
+speculative reply is the plain one token for token.
 
-Prompts (more than GEMV_MAX_TOKENS tokens) dequantize a tile of a layer's columns at a time into a
+Prompts (more than SMALL_TOKENS tokens) dequantize a tile of a layer's columns at a time into a
 scratch buffer and call BLAS through NumPy per tile; prompt attention is blocked BLAS matmuls
 (attention_prompt). The LM head is quantized at load to int8 per row (see prepare_head).
 Attention over the cache in decode, RMSNorm, RoPE and SiLU·mul are Numba loops. The KV cache
@@ -35,7 +38,9 @@ from numba.core.errors import NumbaPerformanceWarning
 
 from . import awq_layout, reference, simd
 
-GEMV_MAX_TOKENS = 4      # up to this many tokens, run the GEMV per token; above, dequantize + BLAS
+SMALL_TOKENS = 16        # up to this many tokens (a draft's verification), layers run as GEMVs
+                         # that read the weights once for all and attention as decode attention
+                         # per token; above, 4-bit layers dequantize + BLAS
 PROMPT_BLOCK = 128       # queries per block of prompt attention
 X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
 DEQUANT_TILE_BYTES = 8 << 20   # a prompt GEMM's dequantized tile: any layer of the default model
@@ -209,6 +214,27 @@ def q4_gemv(x, w, s, z, y, threads):
         _q4_cols(xp, sx, xsum, w, s, z, y, t * step, min(n_out, t * step + step))
 
 
+@njit(parallel=_prange_only(), cache=True)
+def q4_gemv_rows(x, w, s, z, y, threads):
+    """q4_gemv of a few tokens x [T, in] -> y [T, out], the weights read from memory once: each
+    task's share of a layer (at most 0.5 MB for the default model's largest, at 2 threads)
+    stays in the L2 cache from one token to the next. Each row of y is what q4_gemv gives that
+    token, to the bit: the same columns, in the same calls."""
+    T, n_in, n_out = x.shape[0], 8 * w.shape[0], w.shape[1]
+    block = math.gcd(n_in // s.shape[0], X_BLOCK)
+    xp = np.empty((T, n_in // 2), np.int32)
+    sx = np.empty((T, n_in // block), np.float32)
+    xsum = np.empty((T, n_in // block), np.float32)
+    for t in range(T):
+        quantize_pairs(x[t], block, xp[t], sx[t], xsum[t])
+    n_vec = (n_out + simd.LANES - 1) // simd.LANES
+    tasks = max(1, min(threads, n_vec))
+    step = (n_vec + tasks - 1) // tasks * simd.LANES
+    for task in prange(tasks):
+        for t in range(T):
+            _q4_cols(xp[t], sx[t], xsum[t], w, s, z, y[t], task * step, min(n_out, task * step + step))
+
+
 @njit(fastmath=True, cache=True)
 def q4_dequantize(w, s, z, c0, c1, dst):
     """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a pair-planar 4-bit layer. On one
@@ -228,16 +254,37 @@ def q4_dequantize(w, s, z, c0, c1, dst):
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
 def int8_gemv(x, q, s, y, nchunk):
-    """y [out] = (q [out, in] * s[:, None]) @ x [in]."""
-    rows = q.shape[0]
+    """y [T, out] = x [T, in] @ (q [out, in] * s[:, None]).T for a few tokens, each row of q read
+    from memory once (and each token's dot with it computed alike whatever T)."""
+    T, rows = x.shape[0], q.shape[0]
     step = (rows + nchunk - 1) // nchunk
     for ch in prange(nchunk):
         for r in range(ch * step, min(rows, ch * step + step)):
-            acc = np.float32(0)
             row = q[r]
-            for i in range(row.shape[0]):
-                acc += x[i] * np.float32(row[i])
-            y[r] = acc * s[r]
+            for t in range(T):
+                xt = x[t]
+                acc = np.float32(0)
+                for i in range(row.shape[0]):
+                    acc += xt[i] * np.float32(row[i])
+                y[t, r] = acc * s[r]
+
+
+@njit(parallel=_prange_only(), fastmath=True, cache=True)
+def float_gemv_rows(x, w, y, nchunk):
+    """y [T, out] = x [T, in] @ w.T for float32 w [out, in] and a few tokens: each weight row is
+    read from memory once and used for every token while it sits in L1 (BLAS's GEMM repacks the
+    weights first, which costs two passes over them at T = 2..16: twice the time of T = 1)."""
+    T, rows = x.shape[0], w.shape[0]
+    step = (rows + nchunk - 1) // nchunk
+    for ch in prange(nchunk):
+        for r in range(ch * step, min(rows, ch * step + step)):
+            row = w[r]
+            for t in range(T):
+                xt = x[t]
+                acc = np.float32(0)
+                for i in range(row.shape[0]):
+                    acc += xt[i] * row[i]
+                y[t, r] = acc
 
 
 @njit(fastmath=True, cache=True)
@@ -327,7 +374,7 @@ def swiglu(gu):
     return y
 
 
-ATTENTION_MIN_SLOTS = 128   # fewest cache slots per task of decode attention
+ATTENTION_BLOCK = 256    # cache slots per block of decode attention (blocks go to threads)
 
 
 @njit(fastmath=True, cache=True)
@@ -342,18 +389,19 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, tot
     Q, D = q.shape
     G = k.shape[0]
     R = Q // G
-    n = s1 - s0
     Dv = D - D % simd.LANES
-    scores = np.empty((R, n), np.float32)
+    scores = np.empty((R, s1 - s0), np.float32)
     keep = probs.shape[1] > 0
     for g in range(G):
         kg, vg, pg = k[g], v[g], k_pos[g]
-        for s in range(s0, s1):
+        n = 0              # slots [s0, s0 + n) up to the last visible one: the sums below then
+        for s in range(s0, s1):          # do not depend on hidden slots after it (to the bit)
             p = pg[s]
             if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
                 for r in range(R):
                     scores[r, s - s0] = -np.inf
                 continue
+            n = s - s0 + 1
             for r in range(R):
                 acc = simd.cache_dot(q, g * R + r, kg, s, Dv)
                 for d in range(Dv, D):
@@ -365,9 +413,10 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, tot
             for i in range(n):
                 m = simd.fmax(m, sr[i])
             top[h] = m
+            if keep:
+                probs[h, s0 + n:s1] = 0
             if m == -np.inf:                 # no visible slot here
                 total[h] = 0
-                sr[:] = 0
                 if keep:
                     probs[h, s0:s1] = 0
                 continue
@@ -378,16 +427,16 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, tot
                 t += e
             total[h] = t
             if keep:
-                probs[h, s0:s1] = sr
+                probs[h, s0:s0 + n] = sr[:n]
             s = s0
-            while s + 4 <= s1:
+            while s + 4 <= s0 + n:
                 simd.cache_axpy4(sr, s - s0, vg, s, out, h, Dv)
                 s += 4
-            for s in range(s, s1):
+            for s in range(s, s0 + n):
                 e = sr[s - s0]
                 for d in range(Dv):
                     out[h, d] += e * simd.from_cache(vg[s, d])
-            for s in range(s0, s1):
+            for s in range(s0, s0 + n):
                 e = sr[s - s0]
                 for d in range(Dv, D):
                     out[h, d] += e * simd.from_cache(vg[s, d])
@@ -398,39 +447,44 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
     """One query per head over the cache: q [Q, D]; k, v [G, S', D] whole cache buffers of which
     the first S slots are read, k_pos [G, S] their positions (-1 = free slot); window <= 0 means
     none. score [G, S'] gets each slot's attention weights added (summed over the query heads
-    of its KV head), unless it is empty ([G, 0]). Returns [Q, D]. Up to `threads` tasks each
-    take a range of slots for all heads (so every K/V row is read once); their partial
-    softmaxes are merged at the end."""
+    of its KV head), unless it is empty ([G, 0]). Returns [Q, D]. The slots go in blocks of
+    ATTENTION_BLOCK, shared among up to `threads` tasks (every K/V row is read once, for all
+    heads); the blocks' partial softmaxes are merged at the end, in order. The blocks' bounds
+    do not depend on S, so slots appended after the query's position (masked: a draft's
+    verification) change nothing in its result, to the bit."""
     Q, D = q.shape
     G, S = k_pos.shape
     keep = score.shape[1] > 0
     probs = np.empty((Q if keep else 1, S if keep else 0), np.float32)
-    tasks = max(1, min(threads, S // ATTENTION_MIN_SLOTS))
-    step = (S + tasks - 1) // tasks
-    outs = np.zeros((tasks, Q, D), np.float32)
-    tops = np.empty((tasks, Q), np.float32)
-    totals = np.empty((tasks, Q), np.float32)
+    blocks = max(1, (S + ATTENTION_BLOCK - 1) // ATTENTION_BLOCK)
+    tasks = min(threads, blocks)
+    outs = np.empty((blocks, Q, D), np.float32)
+    tops = np.empty((blocks, Q), np.float32)
+    totals = np.empty((blocks, Q), np.float32)
     for t in prange(tasks):
-        _attention_slots(q, k, v, q_pos, k_pos, scale, window, t * step, min(S, t * step + step),
-                         outs[t], tops[t], totals[t], probs)
+        for b in range(t, blocks, tasks):
+            outs[b] = 0
+            _attention_slots(q, k, v, q_pos, k_pos, scale, window, b * ATTENTION_BLOCK,
+                             min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK), outs[b], tops[b],
+                             totals[b], probs)
     out = np.zeros((Q, D), np.float32)
     for h in range(Q):
         m = np.float32(-np.inf)
-        for t in range(tasks):
-            m = max(m, tops[t, h])
+        for b in range(blocks):
+            m = max(m, tops[b, h])
         denom = np.float32(0)
-        for t in range(tasks):
-            if totals[t, h] > 0:
-                f = exp(tops[t, h] - m)
-                denom += f * totals[t, h]
-                out[h] += f * outs[t, h]
+        for b in range(blocks):
+            if totals[b, h] > 0:
+                f = exp(tops[b, h] - m)
+                denom += f * totals[b, h]
+                out[h] += f * outs[b, h]
         out[h] /= denom
-        if keep:                             # the weights: e**(score - top_t) * e**(top_t - m) / denom
+        if keep:                             # the weights: e**(score - top_b) * e**(top_b - m) / denom
             sg = score[h // (Q // G)]
-            for t in range(tasks):
-                if totals[t, h] > 0:
-                    f = exp(tops[t, h] - m) / denom
-                    for s in range(t * step, min(S, t * step + step)):
+            for b in range(blocks):
+                if totals[b, h] > 0:
+                    f = exp(tops[b, h] - m) / denom
+                    for s in range(b * ATTENTION_BLOCK, min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK)):
                         sg[s] += probs[h, s] * f
     return out
 
@@ -600,19 +654,25 @@ class CpuBackend(reference.ReferenceBackend):
         return tiles[0] if len(tiles) == 1 else np.concatenate(tiles, axis=1)
 
     def linear(self, x: np.ndarray, w) -> np.ndarray:
-        if isinstance(w, np.ndarray):
-            return reference.linear(x, w)
         x = np.ascontiguousarray(x, dtype=np.float32)
         T = x.shape[0]
-        if T > GEMV_MAX_TOKENS:
+        if isinstance(w, np.ndarray):
+            if T > SMALL_TOKENS or w.dtype != np.float32:
+                return reference.linear(x, w)
+            y = np.empty((T, w.shape[0]), np.float32)
+            float_gemv_rows(x, w, y, self.threads)
+            return y
+        if T > SMALL_TOKENS:
             return self._prompt_linear(x, w)
-        n_out = w.shape[0] if isinstance(w, Q4Linear) else w.q.shape[0]
-        y = np.empty((T, n_out), np.float32)
-        for t in range(T):
-            if isinstance(w, Q4Linear):
-                q4_gemv(x[t], w.w, w.s, w.z, y[t], self.threads)
-            else:
-                int8_gemv(x[t], w.q, w.s, y[t], self.threads)
+        if isinstance(w, Int8Rows):
+            y = np.empty((T, w.q.shape[0]), np.float32)
+            int8_gemv(x, w.q, w.s, y, self.threads)
+        elif T == 1:
+            y = np.empty((1, w.shape[0]), np.float32)
+            q4_gemv(x[0], w.w, w.s, w.z, y[0], self.threads)
+        else:
+            y = np.empty((T, w.shape[0]), np.float32)
+            q4_gemv_rows(x, w.w, w.s, w.z, y, self.threads)
         return y
 
     def fused_decode(self, layer) -> bool:
@@ -642,12 +702,16 @@ class CpuBackend(reference.ReferenceBackend):
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None):
         if q.ndim == 4:
             return reference.attention(q, k, v, q_pos, k_pos, scale, window, score)
-        k_pos = np.ascontiguousarray(np.broadcast_to(k_pos, (k.shape[0], k_pos.shape[-1])))
-        if q.shape[0] == 1:
-            out = attention_decode(q[0], _bits(k), _bits(v), int(q_pos[0]), k_pos, np.float32(scale),
-                                   window or 0, self.threads, _scores(score))
-            return out[None]
-        return attention_prompt(q, k, v, q_pos, k_pos, scale, window, score)
+        # [G, S], writable (a read-only array would compile, and round, apart)
+        k_pos = np.ascontiguousarray(k_pos if k_pos.ndim == 2 else np.tile(k_pos, (k.shape[0], 1)))
+        if q.shape[0] > SMALL_TOKENS:
+            return attention_prompt(q, k, v, q_pos, k_pos, scale, window, score)
+        # a few tokens (a draft's verification): one decode attention each, the later tokens'
+        # slots hidden by the causal mask; no BLAS call, whose spinning threads would slow the
+        # Numba kernels around it
+        kb, vb, sc = _bits(k), _bits(v), _scores(score)
+        return np.stack([attention_decode(q[t], kb, vb, int(q_pos[t]), k_pos, np.float32(scale),
+                                          window or 0, self.threads, sc) for t in range(len(q))])
 
     def store_kv(self, k_buf, v_buf, slots, k, v):
         store_kv(_bits(k_buf), _bits(v_buf), slots, np.ascontiguousarray(k, np.float32),

@@ -24,7 +24,7 @@ def packed(n_in: int, n_out: int, g: int) -> awq_layout.QuantizedLinear:
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("n_in, outs", [(128, [64]), (256, [96, 32, 32]), (384, [200, 200]),
                                         (576, [576, 192, 192]), (256, [120])])
-@pytest.mark.parametrize("T", [1, 3, cpu.GEMV_MAX_TOKENS + 3])
+@pytest.mark.parametrize("T", [1, 3, cpu.SMALL_TOKENS + 3])
 def test_q4_linear(g, n_in, outs, T):
     parts = [packed(n_in, o, g) for o in outs]
     w = np.concatenate([awq_layout.dequantize(*p) for p in parts])            # [out, in]
@@ -34,7 +34,37 @@ def test_q4_linear(g, n_in, outs, T):
     assert prepared.w.shape == (n_in // 8, sum(outs))                          # nibbles, no copy
     got = be.linear(x, prepared)
     # one token at a time, the activations are rounded to int16 (1/65534 of a block's largest)
-    assert rel_err(got, ref.linear(x, w)) < (1e-4 if T <= cpu.GEMV_MAX_TOKENS else 1e-5)
+    assert rel_err(got, ref.linear(x, w)) < (1e-4 if T <= cpu.SMALL_TOKENS else 1e-5)
+
+
+@pytest.mark.parametrize("n_in, n_out", [(576, 1536), (64, 72), (130, 7)])
+@pytest.mark.parametrize("T", [1, 5, cpu.SMALL_TOKENS, cpu.SMALL_TOKENS + 3])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_float_linear(n_in, n_out, T, threads):
+    """A float layer: a few tokens through the rows kernel, more through BLAS."""
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    be = cpu.CpuBackend()
+    be.threads = threads
+    assert rel_err(be.linear(x, be.prepare_linear([w])), x.astype(np.float64) @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["q4", "int8", "float"])
+@pytest.mark.parametrize("T", [2, 9, cpu.SMALL_TOKENS])
+def test_few_tokens_equal_one_at_a_time(kind, T):
+    """A few tokens' linear (a draft's verification) gives each token, to the bit, its one-token
+    result: greedy speculative decoding depends on it."""
+    n_in, n_out = 576, 1000
+    be = cpu.CpuBackend()
+    if kind == "q4":
+        w = be.prepare_linear([packed(n_in, n_out, 64)])
+    elif kind == "int8":
+        w = be.prepare_head(rng.standard_normal((n_out, n_in)).astype(np.float32), quantized=True)
+    else:
+        w = be.prepare_linear([rng.standard_normal((n_out, n_in)).astype(np.float32)])
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    got = be.linear(x, w)
+    assert all(np.array_equal(got[t], be.linear(x[t:t + 1], w)[0]) for t in range(T))
 
 
 def test_pair_planar_layout():
@@ -182,6 +212,27 @@ def test_attention_prompt(ratio, T, past, block, window, ordered, dtype):
                                want, atol=1e-5)
     np.testing.assert_allclose(score, want_score, atol=1e-4)
     np.testing.assert_allclose(want_score.sum(), T * ratio * G, rtol=1e-4)   # each row sums to 1
+    if T <= cpu.SMALL_TOKENS:          # the backend runs a few tokens as decode attention each
+        score[:] = 0
+        got = cpu.CpuBackend().attention(q, k, v, q_pos, k_pos, 0.3, window, score)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(score, want_score, atol=1e-4)
+
+
+@pytest.mark.parametrize("S", [9, 300, 700])
+def test_few_queries_equal_each_alone(S):
+    """A few new tokens' attention (a draft's verification, the last T slots of a cache in
+    position order) gives each, to the bit, what decode gave it when the cache ended at its slot."""
+    G, R, D, T = 3, 3, 64, 8
+    q = rng.standard_normal((T, G * R, D)).astype(np.float32)
+    k, v = (rng.standard_normal((G, S + 5, D)).astype(np.float16) for _ in range(2))
+    k_pos = np.tile(np.arange(S), (G, 1))
+    q_pos = np.arange(S - T, S)
+    be = cpu.CpuBackend()
+    got = be.attention(q, k, v, q_pos, k_pos, 0.125)
+    for t in range(T):
+        alone = be.attention(q[t:t + 1], k, v, q_pos[t:t + 1], k_pos[:, :S - T + t + 1], 0.125)
+        assert np.array_equal(got[t], alone[0])
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

@@ -153,6 +153,34 @@ def test_greedy_output_is_the_targets_for_every_gamma(models, device, draft):
     assert got == want and 1 <= s.gamma <= 8
 
 
+def test_verification_rows_are_the_decode_steps_logits(models):
+    """A float target's pass over a draft gives each position, to the bit, the logits a
+    one-token decode step gives it (cpu: the few-token kernels compute what one token's do), so
+    greedy speculation cannot flip a near-tie. (A 4-bit model's one-token step is a fused
+    kernel, compiled apart: its last bits may differ.)"""
+    path = models["target"]
+    llm = tinyrt.LLM(path, device="cpu", kv_size=256)
+    ids = [int(x) for x in rng.integers(3, 320, 40)]
+    llm.model.forward(ids[:30], llm.cache)
+    one = [llm.model.forward([t], llm.cache)[0] for t in ids[30:]]
+    llm.cache.rollback(10)
+    rows = llm.model.forward(ids[30:], llm.cache, all_logits=True)
+    assert all(np.array_equal(a, b) for a, b in zip(one, rows))
+
+
+@pytest.mark.real_model
+def test_default_model_greedy_with_its_awq_draft(smol_f16, smol_awq):
+    """The bar's pair: the float default model with its AWQ version as the draft."""
+    target = tinyrt.LLM(smol_f16, device="cpu", kv_size=512)
+    llm = tinyrt.LLM(smol_f16, device="cpu", kv_size=512, draft=smol_awq)
+    ids = target.prompt_ids("Give me three tips for learning a new language.")
+    want = plain(target, ids, 40, temperature=0)
+    for gamma in range(1, 9):
+        got, s = speculative(llm, ids, 40, gamma, temperature=0)
+        assert got == want, gamma
+        assert s.accepted > 0
+
+
 def test_sampling_keeps_the_targets_distribution(models):
     """The second and third sampled tokens of 1500 seeded replies, with and without a draft
     (gamma 3), compared by a chi-square homogeneity test per position."""
