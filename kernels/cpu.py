@@ -12,8 +12,9 @@ activations in integers, 32 pairs per instruction (simd.pair_dot), then per bloc
 One token runs each decoder layer as one fused kernel call (decode_layer); GEMVs and decode
 attention split their work among threads. A few tokens (up to SMALL_TOKENS: a draft's
 verification) run the same GEMVs with each weight read from memory once for all of them, and
-decode attention per token: every token's result is, to the bit, what it would be alone, so a
-speculative reply is the plain one token for token.
+decode attention per token: each token's result is what a one-token call of the same kernels
+gives it, to the bit (a float model's decode step makes those calls; a 4-bit model's is
+decode_layer, compiled apart, whose last bits may differ).
 
 Prompts (more than SMALL_TOKENS tokens) dequantize a tile of a layer's columns at a time into a
 scratch buffer and call BLAS through NumPy per tile; prompt attention is blocked BLAS matmuls
