@@ -254,28 +254,14 @@ def q4_dequantize(w, s, z, c0, c1, dst):
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
-def int8_gemv(x, q, s, y, nchunk):
-    """y [T, out] = x [T, in] @ (q [out, in] * s[:, None]).T for a few tokens, each row of q read
-    from memory once (and each token's dot with it computed alike whatever T)."""
-    T, rows = x.shape[0], q.shape[0]
-    step = (rows + nchunk - 1) // nchunk
-    for ch in prange(nchunk):
-        for r in range(ch * step, min(rows, ch * step + step)):
-            row = q[r]
-            for t in range(T):
-                xt = x[t]
-                acc = np.float32(0)
-                for i in range(row.shape[0]):
-                    acc += xt[i] * np.float32(row[i])
-                y[t, r] = acc * s[r]
-
-
-@njit(parallel=_prange_only(), fastmath=True, cache=True)
-def float_gemv_rows(x, w, y, nchunk):
-    """y [T, out] = x [T, in] @ w.T for float32 w [out, in] and a few tokens: each weight row is
-    read from memory once and used for every token while it sits in L1 (BLAS's GEMM repacks the
-    weights first, which costs two passes over them at T = 2..16: twice the time of T = 1)."""
+def gemv_rows(x, w, s, y, nchunk):
+    """y [T, out] = x [T, in] @ W.T for a few tokens, W = w [out, in] (float32, or int8 rows
+    times their scales s [out]; s empty: none), each row of w read from memory once and used
+    for every token while it sits in L1 (BLAS's GEMM repacks the weights first, which costs two
+    passes over them at T = 2..16: twice the time of T = 1). Each token's dot with a row is
+    computed alike whatever T."""
     T, rows = x.shape[0], w.shape[0]
+    scaled = s.shape[0] > 0
     step = (rows + nchunk - 1) // nchunk
     for ch in prange(nchunk):
         for r in range(ch * step, min(rows, ch * step + step)):
@@ -284,8 +270,8 @@ def float_gemv_rows(x, w, y, nchunk):
                 xt = x[t]
                 acc = np.float32(0)
                 for i in range(row.shape[0]):
-                    acc += xt[i] * row[i]
-                y[t, r] = acc
+                    acc += xt[i] * np.float32(row[i])
+                y[t, r] = acc * s[r] if scaled else acc
 
 
 @njit(fastmath=True, cache=True)
@@ -598,6 +584,7 @@ def decode_layer(x, in_norm, post_norm, eps,
 # -- the backend ---------------------------------------------------------------------------------
 
 _NO_SCORES = np.zeros((1, 0), np.float32)
+_NO_SCALES = np.zeros(0, np.float32)          # gemv_rows of float weights
 
 
 def _scores(score):
@@ -661,13 +648,13 @@ class CpuBackend(reference.ReferenceBackend):
             if T > SMALL_TOKENS or w.dtype != np.float32:
                 return reference.linear(x, w)
             y = np.empty((T, w.shape[0]), np.float32)
-            float_gemv_rows(x, w, y, self.threads)
+            gemv_rows(x, w, _NO_SCALES, y, self.threads)
             return y
         if T > SMALL_TOKENS:
             return self._prompt_linear(x, w)
         if isinstance(w, Int8Rows):
             y = np.empty((T, w.q.shape[0]), np.float32)
-            int8_gemv(x, w.q, w.s, y, self.threads)
+            gemv_rows(x, w.q, w.s, y, self.threads)
         elif T == 1:
             y = np.empty((1, w.shape[0]), np.float32)
             q4_gemv(x[0], w.w, w.s, w.z, y[0], self.threads)

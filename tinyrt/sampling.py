@@ -100,13 +100,12 @@ class Sampler:
     def _pick(self, ids: np.ndarray, probs: np.ndarray) -> int:
         return int(ids[min(np.searchsorted(np.cumsum(probs), self.rng.random()), len(ids) - 1)])
 
-    def distribution(self, logits: np.ndarray, history: Sequence[int] = (),
-                     size: int | None = None) -> np.ndarray:
-        """The distribution `__call__` draws from, dense over `size` ids (default: the logits'):
-        float64 [size]; greedy puts all the mass on the argmax."""
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """The distribution `__call__` draws from, dense over the logits' ids: float64 [V];
+        greedy puts all the mass on the argmax."""
         p = self.params
         x = apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n)
-        out = np.zeros(size or len(x))
+        out = np.zeros(len(x))
         if p.temperature == 0:
             out[int(np.argmax(x))] = 1.0
         else:
