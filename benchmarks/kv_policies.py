@@ -12,7 +12,7 @@ fed one token at a time, each next-token NLL recorded, the policy applied as the
     python benchmarks/kv_policies.py MODEL speed [--kv-size 1024]
         decode ms per token, dense (cache nearly full) against sink (cache full, sinks
         re-rotated every step) and h2o (cache full, scores kept, one eviction per head and
-        layer every step), same cache size, medians
+        layer every step), same cache size, taking turns token by token, medians
 
 Needs matplotlib for --plot (not a CI dependency).
 """
@@ -117,20 +117,25 @@ def speed(llm, args):
 
     cfg, model = llm.config, llm.model
     ids = np.random.default_rng(0).integers(100, 10000, 2 * args.kv_size)
-    out = {}
-    for policy, prompt in (("dense", args.kv_size - 129), ("sink", 2 * args.kv_size - 128),
-                           ("h2o", 2 * args.kv_size - 128)):
-        cache = make_cache(policy, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                           args.kv_size, llm.backend, llm.cache.k.dtype, 4)
-        model.forward(ids[:prompt], cache)
-        steps = []
-        for t in ids[prompt:prompt + 128]:
+    prompts = {"dense": args.kv_size - 129, "sink": 2 * args.kv_size - 128,
+               "h2o": 2 * args.kv_size - 128}
+    caches, steps = {}, {policy: [] for policy in prompts}
+    for policy, prompt in prompts.items():
+        caches[policy] = make_cache(policy, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                    cfg.head_dim, args.kv_size, llm.backend, llm.cache.k.dtype, 4)
+        model.forward(ids[:prompt], caches[policy])
+    # the policies take turns, token by token, so that a change in the machine's load falls on
+    # all three alike
+    for i in range(128):
+        for policy, prompt in prompts.items():
             start = time.perf_counter()
-            model.forward([t], cache)
-            steps.append(time.perf_counter() - start)
-        out[policy] = statistics.median(steps) * 1e3
+            model.forward([ids[prompt + i]], caches[policy])
+            steps[policy].append(time.perf_counter() - start)
+    out = {}
+    for policy in prompts:
+        out[policy] = statistics.median(steps[policy]) * 1e3
         print(f"{policy:6s} decode {out[policy]:.2f} ms per token (median of 128, cache of "
-              f"{args.kv_size}, {cache.length} held)", flush=True)
+              f"{args.kv_size}, {caches[policy].length} held)", flush=True)
     print(ratio_line(out, "dense", ["sink", "h2o"]))
     return out
 
