@@ -10,9 +10,9 @@ fed one token at a time, each next-token NLL recorded, the policy applied as the
         PPL against cache budget for window, sink and h2o (dense: the whole text, a line);
         410 is 20 % of 2048
     python benchmarks/kv_policies.py MODEL speed [--kv-size 1024]
-        decode ms per token, dense (cache nearly full) against sink (cache full, sinks
-        re-rotated every step) and h2o (cache full, scores kept, one eviction per head and
-        layer every step), same cache size, taking turns token by token, medians
+        decode ms per token with the cache full: dense (its last token appended and rolled
+        back) against sink (sinks re-rotated every step) and h2o (scores kept, one eviction
+        per head and layer every step), same cache size, taking turns token by token, medians
 
 Needs matplotlib for --plot (not a CI dependency).
 """
@@ -117,7 +117,9 @@ def speed(llm, args):
 
     cfg, model = llm.config, llm.model
     ids = np.random.default_rng(0).integers(100, 10000, 2 * args.kv_size)
-    prompts = {"dense": args.kv_size - 129, "sink": 2 * args.kv_size - 128,
+    # every cache holds kv_size tokens at each step: dense appends its last free slot's token
+    # and rolls it back, over and over; sink and h2o stream on, evicting
+    prompts = {"dense": args.kv_size - 1, "sink": 2 * args.kv_size - 128,
                "h2o": 2 * args.kv_size - 128}
     caches, steps = {}, {policy: [] for policy in prompts}
     for policy, prompt in prompts.items():
@@ -129,13 +131,17 @@ def speed(llm, args):
     for i in range(128):
         for policy, prompt in prompts.items():
             start = time.perf_counter()
-            model.forward([ids[prompt + i]], caches[policy])
+            if policy == "dense":
+                model.forward([ids[prompt]], caches[policy])
+                caches[policy].rollback(1)
+            else:
+                model.forward([ids[prompt + i]], caches[policy])
             steps[policy].append(time.perf_counter() - start)
     out = {}
     for policy in prompts:
         out[policy] = statistics.median(steps[policy]) * 1e3
         print(f"{policy:6s} decode {out[policy]:.2f} ms per token (median of 128, cache of "
-              f"{args.kv_size}, {caches[policy].length} held)", flush=True)
+              f"{args.kv_size}, {args.kv_size} held)", flush=True)
     print(ratio_line(out, "dense", ["sink", "h2o"]))
     return out
 

@@ -489,6 +489,33 @@ def store_kv(k_buf, v_buf, slots, k, v):
                 v_buf[g, s, d] = simd.to_cache(v[t, g, d], v_buf)
 
 
+@njit(fastmath=True, cache=True)
+def lowest_scored(slot_pos, score, first, last, n):
+    """reference.lowest_scored: for n = 1 (a decode step) the lowest score of each row in a
+    branch-free pass (the compiler makes it SIMD), then its first slot; for more, a stable sort
+    of the row. Slots not to evict get the largest float32, not inf (fastmath assumes none)."""
+    L, G, C = slot_pos.shape
+    top = np.float32(3.4028235e38)
+    out = np.empty((L, G, n), np.int64)
+    key = np.empty(C, np.float32)
+    for l in range(L):
+        for g in range(G):
+            pos, sc = slot_pos[l, g], score[l, g]
+            for s in range(C):
+                key[s] = sc[s] if pos[s] >= first and pos[s] <= last else top
+            if n > 1:
+                out[l, g] = np.argsort(key, kind="mergesort")[:n]
+                continue
+            m = top
+            for s in range(C):
+                m = min(m, key[s])
+            at = 0
+            while key[at] != m:
+                at += 1
+            out[l, g, 0] = at
+    return out
+
+
 @njit(fastmath=True, cache=True, error_model="numpy")
 def _masked_softmax(s, q_pos, k_pos, window, sums):
     """Scores s [M, B, n] of B queries at positions q_pos [B] (for M heads) over the slots of
@@ -700,6 +727,8 @@ class CpuBackend(reference.ReferenceBackend):
         kb, vb, sc = _bits(k), _bits(v), _scores(score)
         return np.stack([attention_decode(q[t], kb, vb, int(q_pos[t]), k_pos, np.float32(scale),
                                           window or 0, self.threads, sc) for t in range(len(q))])
+
+    lowest_scored = staticmethod(lowest_scored)
 
     def store_kv(self, k_buf, v_buf, slots, k, v):
         store_kv(_bits(k_buf), _bits(v_buf), slots, np.ascontiguousarray(k, np.float32),

@@ -105,6 +105,18 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
     return out if batched else out[0]
 
 
+def lowest_scored(slot_pos: np.ndarray, score: np.ndarray, first: int, last: int, n: int) -> np.ndarray:
+    """H2O's choice of the tokens to evict: in each row (a KV head of a layer) of the slot table
+    slot_pos [L, G, C] and the scores [L, G, C], the n slots of lowest score among those holding
+    a position in [first, last], lowest score first, ties by lowest slot -> [L, G, n] int64.
+    Each row must have n such slots."""
+    evictable = (slot_pos >= first) & (slot_pos <= last)
+    key = np.where(evictable, score, np.float32(np.inf))
+    if n == 1:
+        return key.argmin(axis=-1)[..., None]
+    return np.argsort(key, axis=-1, kind="stable")[..., :n]
+
+
 class ReferenceBackend:
     """The ops above behind the backend interface the decoder calls.
 
@@ -164,6 +176,7 @@ class ReferenceBackend:
         I = gu.shape[-1] // 2
         return silu_mul(gu[..., :I], gu[..., I:])
     attention = staticmethod(attention)
+    lowest_scored = staticmethod(lowest_scored)
 
     @staticmethod
     def store_kv(k_buf: np.ndarray, v_buf: np.ndarray, slots: np.ndarray,

@@ -171,20 +171,19 @@ class LlamaModel:
 
     def _rotate_sinks(self, cache) -> None:
         """Rotate the attention sinks' cached keys to positions i + cache.sink_shift (see
-        kv_cache.SinkCache), from float32 copies of their un-rotated keys, taken the first time
-        from the cache itself (sink i still rotated by its own position i then)."""
+        kv_cache.SinkCache), from float32 copies of their un-rotated keys and of their values,
+        taken the first time from the cache itself (sink i still rotated by its own position i
+        then). All layers at once: their KV heads side by side, one RoPE and one store."""
         be, n = self.backend, cache.n_sink
-        sinks = np.arange(n)
-        slots = np.tile(sinks, (cache.kv_heads, 1))                       # [G, n]
+        L, G, C, D = cache.k.shape
+        k_buf, v_buf = cache.k.reshape(L * G, C, D), cache.v.reshape(L * G, C, D)
         if cache.sink_keys is None:
-            cos, sin = be.rope_tables(self.inv_freq, sinks)
-            cache.sink_keys = np.stack([be.rope(_rows(be, k[:, :n]), cos, -sin)
-                                        for k in cache.k])            # [L, n, G, D]
-        cos, sin = be.rope_tables(self.inv_freq, sinks + cache.sink_shift)
-        for i in range(len(cache.sink_keys)):
-            k_buf, v_buf = cache.k[i], cache.v[i]
-            be.store_kv(k_buf, v_buf, slots, be.rope(cache.sink_keys[i], cos, sin),
-                        _rows(be, v_buf[:, :n]))
+            cos, sin = be.rope_tables(self.inv_freq, np.arange(n))
+            cache.sink_keys = be.rope(_rows(be, k_buf[:, :n]), cos, -sin)     # [n, L*G, D]
+            cache.sink_values = _rows(be, v_buf[:, :n])
+        cos, sin = be.rope_tables(self.inv_freq, np.arange(n) + cache.sink_shift)
+        slots = np.tile(np.arange(n), (L * G, 1))                               # [L*G, n]
+        be.store_kv(k_buf, v_buf, slots, be.rope(cache.sink_keys, cos, sin), cache.sink_values)
         cache.rotated_shift = cache.sink_shift
 
 

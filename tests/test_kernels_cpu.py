@@ -254,6 +254,23 @@ def test_store_kv(dtype):
         assert k_buf[0, 7, 0] == np.finfo(np.float16).max and k_buf[0, 7, 1] == -np.finfo(np.float16).max
 
 
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_lowest_scored(n):
+    """H2O's eviction choice: per row, the n lowest scores among slots holding a position in
+    [first, last], ties (scores drawn from few values) by lowest slot; checked by sorting
+    (score, slot) pairs in Python."""
+    L, G, C, first, last = 3, 2, 200, 4, 150
+    slot_pos = np.stack([[rng.permutation(C) for _ in range(G)] for _ in range(L)])
+    slot_pos[rng.random(slot_pos.shape) < 0.1] = -1                   # free slots
+    score = (rng.integers(0, 20, (L, G, C)) / 8).astype(np.float32)
+    got = cpu.CpuBackend.lowest_scored(slot_pos, score, first, last, n)
+    assert np.array_equal(got, ref.lowest_scored(slot_pos, score, first, last, n))
+    for l in range(L):
+        for g in range(G):
+            ok = [(score[l, g, s], s) for s in range(C) if first <= slot_pos[l, g, s] <= last]
+            assert list(got[l, g]) == [s for _, s in sorted(ok)[:n]]
+
+
 def test_dispatch():
     assert get_backend("cpu").name == "cpu" and get_backend("auto").name == "cpu"
     assert get_backend("reference").name == "reference"

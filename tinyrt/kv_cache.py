@@ -132,7 +132,8 @@ class SinkCache(KVCache):
     window has moved past position n_sink the sink keys are re-rotated to position
     i + sink_shift, where sink_shift = (the oldest position in the window) - n_sink. The decoder
     does that (models.llama, n_sink x kv_heads rows per layer per step) from float32 copies of
-    the sinks' un-rotated keys kept here (`sink_keys`), so no rounding accumulates.
+    the sinks' un-rotated keys kept here (`sink_keys`, and their values in `sink_values`), so
+    no rounding accumulates.
     """
 
     policy = "sink"
@@ -149,7 +150,8 @@ class SinkCache(KVCache):
         self.window = capacity - n_sink
         self.ring = self.window + slack
         self.slack = slack
-        self.sink_keys = None        # float32 [n_layers, n_sink, kv_heads, D], un-rotated
+        self.sink_keys = None        # float32 [n_sink, n_layers * kv_heads, D], un-rotated
+        self.sink_values = None      # float32 [n_sink, n_layers * kv_heads, D]
         self.rotated_shift = 0       # the shift the cached sink keys are rotated for
 
     @property
@@ -218,7 +220,7 @@ class SinkCache(KVCache):
 
     def reset(self) -> None:
         super().reset()
-        self.sink_keys = None
+        self.sink_keys = self.sink_values = None
         self.rotated_shift = 0
 
 
@@ -249,8 +251,12 @@ class H2OCache(SinkCache):
         if not 1 <= self.recent <= self.window:
             raise CacheFullError(f"--recent {self.recent} must be at least 1 and at most the "
                                  f"KV cache size less the sinks ({self.window})")
+        self.backend = backend
         self.slot_pos = np.full((n_layers, kv_heads, capacity), -1, dtype=np.int64)
         self.score = np.zeros((n_layers, kv_heads, capacity), np.float32)
+        # each layer's buffers, slot table and scores, indexed once (layer() runs per layer
+        # per token)
+        self._views = list(zip(self.k, self.v, self.slot_pos, self.score))
 
     def allocate(self, n: int) -> np.ndarray:
         self._check_chunk(n)
@@ -260,14 +266,10 @@ class H2OCache(SinkCache):
         pos = self._positions(n)
         slots = np.empty((L, G, n), np.int64)
         slots[..., :n - evict] = np.arange(held, held + n - evict)
-        if evict:                                 # never more than the tokens outside the sinks
-            table = self.slot_pos                 # and the recent window (n <= window)
-            kept = (table < self.n_sink) | (table > pos[-1] - self.recent)
-            key = np.where(kept, np.float32(np.inf), self.score)          # [L, G, C]
-            if evict == 1:
-                slots[..., -1] = key.argmin(axis=-1)
-            else:
-                slots[..., n - evict:] = np.argsort(key, axis=-1, kind="stable")[..., :evict]
+        if evict:      # the lowest scored outside the sinks and the recent window (there are
+                       # at least n of those: n <= window)
+            slots[..., n - evict:] = self.backend.lowest_scored(
+                self.slot_pos, self.score, self.n_sink, pos[-1] - self.recent, evict)
         np.put_along_axis(self.slot_pos, slots, pos, axis=-1)
         np.put_along_axis(self.score, slots, 0, axis=-1)
         self.length = self.span = held + n - evict
@@ -275,10 +277,9 @@ class H2OCache(SinkCache):
         return pos
 
     def layer(self, i: int):
-        k_pos = self.slot_pos[i, :, :self.span]
-        if self.span < self.capacity:
-            k_pos = np.ascontiguousarray(k_pos)
-        return self.k[i], self.v[i], self._slots[i], k_pos, self.score[i]
+        k, v, table, score = self._views[i]
+        k_pos = table if self.span == self.capacity else np.ascontiguousarray(table[:, :self.span])
+        return k, v, self._slots[i], k_pos, score
 
     def rollback(self, n: int) -> None:
         """Forget the last n appended tokens; refused once tokens were evicted (the scores of
