@@ -4,8 +4,15 @@ transformers loading the same GGUF."""
 
 from __future__ import annotations
 
+import ctypes.util
+import os
 import sys
 from pathlib import Path
+
+# Without a CUDA driver the CUDA kernels run in Numba's CUDA simulator (read when numba.cuda is
+# first imported, so set before any test module imports it); with one, on the GPU.
+if ctypes.util.find_library("cuda") is None:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import pytest
 

@@ -1,0 +1,262 @@
+"""Numba CUDA kernels for the decoder's per-token path (one token at batch 1, memory-bound).
+
+Each kernel computes what its NumPy reference (kernels.reference, awq_layout) computes, and is
+tested against it on fresh random inputs in Numba's CUDA simulator, where CI runs them (no GPU
+there). Arrays are anything with the CUDA array interface: torch tensors on the GPU, shared with
+the kernels without copies; NumPy arrays in the simulator. Activations are float32; the 4-bit
+weights are read as they are stored in the AutoAWQ GEMM layout (awq_layout: int32 words of 8
+nibbles, nibble j holding output channel 8c + ORDER[j]), never dequantized to memory.
+
+Launch shapes are the `launch_*` helpers' business: the kernels take their arrays, the helpers
+pick grid and block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+WORDS = 32           # int32 word columns (8 outputs each) per block of the 4-bit GEMV: a warp
+                     # reads 32 neighbouring words of a row, 128 bytes, in one transaction
+SLICES = 8           # groups of input rows per block of the 4-bit GEMV, summed in shared memory
+ROWS = 8             # output rows per block of the float GEMV, one warp each
+THREADS = 128        # threads per block of RMSNorm and of decode attention (one block per head)
+HALF_MAX = 65504.0   # the largest finite float16 (a float16 cache clamps to it, as the reference)
+
+
+@cuda.jit(device=True, inline=True)
+def _nibble_channel(j):
+    """The output channel (within its word) of nibble j: ORDER = [0, 2, 4, 6, 1, 3, 5, 7]."""
+    return (j & 3) * 2 + (j >> 2)
+
+
+@cuda.jit
+def q4_gemv(x, qweight, qzeros, scales, y):
+    """y [out] = x [in] @ W.T, W in the AutoAWQ GEMM layout: qweight int32 [in, out/8], qzeros
+    int32 [in/g, out/8], scales float16 [in/g, out]. Block (WORDS, SLICES): thread (c, sl) takes
+    word column c of the block's WORDS and the quantization groups sl, sl + SLICES, ...; per group
+    sum_i x[i] q[i, o] and sum_i x[i], then s * (dot - z * xsum); the slices' partial sums are
+    added in shared memory."""
+    c = cuda.blockIdx.x * WORDS + cuda.threadIdx.x
+    sl = cuda.threadIdx.y
+    n_in, words = qweight.shape
+    groups = scales.shape[0]
+    g = n_in // groups
+    acc = cuda.local.array(8, float32)
+    dot = cuda.local.array(8, float32)
+    for j in range(8):
+        acc[j] = 0
+    if c < words:
+        for gi in range(sl, groups, SLICES):
+            for j in range(8):
+                dot[j] = 0
+            xsum = float32(0)
+            for i in range(gi * g, gi * g + g):
+                xi = x[i]
+                w = qweight[i, c]
+                xsum += xi
+                for j in range(8):
+                    dot[j] += xi * float32((w >> (4 * j)) & 15)
+            zw = qzeros[gi, c]
+            for j in range(8):
+                o = _nibble_channel(j)
+                acc[o] += float32(scales[gi, 8 * c + o]) * (dot[j] - float32((zw >> (4 * j)) & 15) * xsum)
+    part = cuda.shared.array((SLICES, WORDS, 8), float32)
+    for o in range(8):
+        part[sl, cuda.threadIdx.x, o] = acc[o]
+    cuda.syncthreads()
+    if sl == 0 and c < words:
+        for o in range(8):
+            total = float32(0)
+            for k in range(SLICES):
+                total += part[k, cuda.threadIdx.x, o]
+            y[8 * c + o] = total
+
+
+@cuda.jit
+def gemv(x, w, y):
+    """y [out] = x [in] @ w.T for float weights w [out, in] (float16 or float32): the LM head of
+    a float model. Block (32, ROWS): a warp per output row, its lanes taking every 32nd input,
+    their sums added in shared memory."""
+    lane, r = cuda.threadIdx.x, cuda.threadIdx.y
+    o = cuda.blockIdx.x * ROWS + r
+    acc = float32(0)
+    if o < w.shape[0]:
+        for i in range(lane, w.shape[1], 32):
+            acc += x[i] * float32(w[o, i])
+    part = cuda.shared.array((ROWS, 32), float32)
+    part[r, lane] = acc
+    cuda.syncthreads()
+    if lane == 0 and o < w.shape[0]:
+        total = float32(0)
+        for k in range(32):
+            total += part[r, k]
+        y[o] = total
+
+
+@cuda.jit(device=True)
+def _block_sum(part, tid, value):
+    """The sum of `value` over a block of THREADS threads (shared scratch part [THREADS])."""
+    part[tid] = value
+    cuda.syncthreads()
+    stride = THREADS // 2
+    while stride > 0:
+        if tid < stride:
+            part[tid] += part[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = part[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def _block_max(part, tid, value):
+    """The largest `value` over a block of THREADS threads."""
+    part[tid] = value
+    cuda.syncthreads()
+    stride = THREADS // 2
+    while stride > 0:
+        if tid < stride:
+            part[tid] = max(part[tid], part[tid + stride])
+        cuda.syncthreads()
+        stride //= 2
+    top = part[0]
+    cuda.syncthreads()
+    return top
+
+
+@cuda.jit
+def rmsnorm(x, w, eps, y):
+    """y [T, H] = x / sqrt(mean(x**2) + eps) * w; one block per row."""
+    t, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    n = x.shape[1]
+    part = cuda.shared.array(THREADS, float32)
+    acc = float32(0)
+    for i in range(tid, n, THREADS):
+        acc += x[t, i] * x[t, i]
+    inv = float32(1) / math.sqrt(_block_sum(part, tid, acc) / n + eps)
+    for i in range(tid, n, THREADS):
+        y[t, i] = x[t, i] * inv * w[i]
+
+
+@cuda.jit
+def rope(x, cos, sin, y):
+    """y [T, N, D] = x rotated by cos/sin [T, D/2], HF rotate-half pairs (i, i + D/2)."""
+    k = cuda.grid(1)
+    T, N, D = x.shape
+    half = D // 2
+    if k < T * N * half:
+        t, rest = k // (N * half), k % (N * half)
+        n, i = rest // half, rest % half
+        c, s = cos[t, i], sin[t, i]
+        x1, x2 = x[t, n, i], x[t, n, i + half]
+        y[t, n, i] = x1 * c - x2 * s
+        y[t, n, i + half] = x2 * c + x1 * s
+
+
+@cuda.jit
+def silu_mul(gu, y):
+    """y [T, I] = silu(gate) * up of the fused gate/up output gu [T, 2I] (gate first)."""
+    k = cuda.grid(1)
+    T, I = y.shape
+    if k < T * I:
+        t, i = k // I, k % I
+        g = gu[t, i]
+        y[t, i] = g / (float32(1) + math.exp(min(-g, float32(88)))) * gu[t, I + i]
+
+
+@cuda.jit
+def store_kv(k_buf, v_buf, slots, k, v, top):
+    """k, v float32 [T, G, D] -> cache buffers [G, C, D] at KV head g's slots slots[g] ([G, T]),
+    clamped to +-top (the largest finite float16 for a float16 cache)."""
+    n = cuda.grid(1)
+    T, G, D = k.shape
+    if n < T * G * D:
+        t, rest = n // (G * D), n % (G * D)
+        g, d = rest // D, rest % D
+        s = slots[g, t]
+        k_buf[g, s, d] = min(max(k[t, g, d], -top), top)
+        v_buf[g, s, d] = min(max(v[t, g, d], -top), top)
+
+
+@cuda.jit
+def attention_decode(q, k, v, q_pos, k_pos, scale, window, score, probs, out):
+    """One query per head q [Q, D] over the cache buffers k, v [G, C, D], slots [0, S) of which
+    hold positions k_pos [G, S] (-1: free), in any order; window <= 0: none. One block per query
+    head: its threads take every THREADS-th slot for the scores (kept in probs [Q, S]), the block
+    finds their largest and the softmax's sum, then each thread sums the weighted V rows for its
+    share of the D columns. score [G, C] (empty [G, 0]: none) gets each slot's weight added
+    (atomically: the R query heads of a KV head add to the same row). out [Q, D]."""
+    h, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    Q, D = q.shape
+    G, S = k_pos.shape
+    g = h // (Q // G)
+    part = cuda.shared.array(THREADS, float32)
+    top = float32(-math.inf)
+    for s in range(tid, S, THREADS):
+        p = k_pos[g, s]
+        e = float32(-math.inf)
+        if p >= 0 and p <= q_pos and (window <= 0 or q_pos - p < window):
+            e = float32(0)
+            for d in range(D):
+                e += q[h, d] * float32(k[g, s, d])
+            e *= scale
+        probs[h, s] = e
+        top = max(top, e)
+    top = _block_max(part, tid, top)
+    total = float32(0)
+    for s in range(tid, S, THREADS):
+        e = probs[h, s]
+        e = float32(0) if e == -math.inf else math.exp(e - top)
+        probs[h, s] = e
+        total += e
+    total = _block_sum(part, tid, total)
+    inv = float32(0) if total == 0 else float32(1) / total
+    cuda.syncthreads()           # every thread's probs written before any thread reads them all
+    for d in range(tid, D, THREADS):
+        acc = float32(0)
+        for s in range(S):
+            acc += probs[h, s] * float32(v[g, s, d])
+        out[h, d] = acc * inv
+    if score.shape[1] > 0:
+        for s in range(tid, S, THREADS):
+            cuda.atomic.add(score, (g, s), probs[h, s] * inv)
+
+
+def _blocks(n: int, per: int) -> int:
+    return max(1, (n + per - 1) // per)
+
+
+def launch_q4_gemv(x, qweight, qzeros, scales, y) -> None:
+    q4_gemv[_blocks(qweight.shape[1], WORDS), (WORDS, SLICES)](x, qweight, qzeros, scales, y)
+
+
+def launch_gemv(x, w, y) -> None:
+    gemv[_blocks(w.shape[0], ROWS), (32, ROWS)](x, w, y)
+
+
+def launch_rmsnorm(x, w, eps: float, y) -> None:
+    rmsnorm[x.shape[0], THREADS](x, w, np.float32(eps), y)
+
+
+def launch_rope(x, cos, sin, y) -> None:
+    T, N, D = x.shape
+    rope[_blocks(T * N * (D // 2), THREADS), THREADS](x, cos, sin, y)
+
+
+def launch_silu_mul(gu, y) -> None:
+    silu_mul[_blocks(y.shape[0] * y.shape[1], THREADS), THREADS](gu, y)
+
+
+def launch_store_kv(k_buf, v_buf, slots, k, v) -> None:
+    top = np.float32(HALF_MAX if str(k_buf.dtype).endswith("float16") else np.inf)   # numpy or torch
+    store_kv[_blocks(k.size, THREADS), THREADS](k_buf, v_buf, slots, k, v, top)
+
+
+def launch_attention_decode(q, k, v, q_pos: int, k_pos, scale: float, window: int, score,
+                            probs, out) -> None:
+    attention_decode[q.shape[0], THREADS](q, k, v, q_pos, k_pos, np.float32(scale), window,
+                                          score, probs, out)
