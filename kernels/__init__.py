@@ -5,15 +5,19 @@ This package imports nothing else of tinyrt.
 
 from __future__ import annotations
 
+import ctypes.util
+
 from . import awq_layout, reference
 from .awq_layout import QuantizedLinear
 from .reference import ReferenceBackend
 
-DEVICES = ("auto", "cpu", "reference")
+DEVICES = ("auto", "cpu", "cuda", "reference")
 
 
 def get_backend(device: str = "auto", threads: int | None = None):
-    """The backend for `device`: "reference" is NumPy; "cpu" (and "auto") the Numba kernels.
+    """The backend for `device`: "reference" is NumPy; "cpu" the Numba kernels; "cuda" the Numba
+    CUDA kernels (ValueError saying why where it cannot run); "auto" is cuda where a CUDA driver
+    and GPU are present, else cpu.
     `threads` sets the threads of the Numba kernels and caps those of the BLAS library NumPy calls
     (process-wide). Raises ValueError for an unknown device or thread count."""
     if device not in DEVICES:
@@ -26,6 +30,14 @@ def get_backend(device: str = "auto", threads: int | None = None):
         threadpool_limits(threads, user_api="blas")
     if device == "reference":
         return ReferenceBackend()
+    if device == "cuda" or (device == "auto" and ctypes.util.find_library("cuda")):
+        from . import gpu
+
+        why = gpu.unavailable()
+        if why is None:
+            return gpu.CudaBackend()
+        if device == "cuda":
+            raise ValueError(f"--device cuda: {why}; use --device cpu")
     from .cpu import CpuBackend
 
     return CpuBackend(threads)

@@ -14,15 +14,26 @@ pick grid and block.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numba
 import numpy as np
 from numba import cuda, float32
 
-WORDS = 32           # int32 word columns (8 outputs each) per block of the 4-bit GEMV: a warp
-                     # reads 32 neighbouring words of a row, 128 bytes, in one transaction
-SLICES = 8           # groups of input rows per block of the 4-bit GEMV, summed in shared memory
-ROWS = 8             # output rows per block of the float GEMV, one warp each
-THREADS = 128        # threads per block of RMSNorm and of decode attention (one block per head)
+from . import awq_layout, reference
+
+
+# Numba's CUDA simulator runs every CUDA thread as a Python thread: there, blocks are smaller
+# (the same code: every kernel is written for any of these sizes)
+_SIM = bool(numba.config.ENABLE_CUDASIM)
+WORDS = 4 if _SIM else 32      # int32 word columns (8 outputs each) per block of the 4-bit GEMV:
+                               # a warp reads 32 neighbouring words of a row, 128 bytes at once
+SLICES = 2 if _SIM else 8      # groups of input rows per block of the 4-bit GEMV, summed in
+                               # shared memory
+LANES = 4 if _SIM else 32      # threads per output row of the float GEMV (a warp)
+ROWS = 2 if _SIM else 8        # output rows per block of the float GEMV
+THREADS = 8 if _SIM else 128   # threads per block of RMSNorm and of decode attention (a power
+                               # of two: the block reductions halve it)
 HALF_MAX = 65504.0   # the largest finite float16 (a float16 cache clamps to it, as the reference)
 
 
@@ -78,20 +89,20 @@ def q4_gemv(x, qweight, qzeros, scales, y):
 @cuda.jit
 def gemv(x, w, y):
     """y [out] = x [in] @ w.T for float weights w [out, in] (float16 or float32): the LM head of
-    a float model. Block (32, ROWS): a warp per output row, its lanes taking every 32nd input,
-    their sums added in shared memory."""
+    a float model. Block (LANES, ROWS): a warp per output row, its lanes taking every LANES-th
+    input, their sums added in shared memory."""
     lane, r = cuda.threadIdx.x, cuda.threadIdx.y
     o = cuda.blockIdx.x * ROWS + r
     acc = float32(0)
     if o < w.shape[0]:
-        for i in range(lane, w.shape[1], 32):
+        for i in range(lane, w.shape[1], LANES):
             acc += x[i] * float32(w[o, i])
-    part = cuda.shared.array((ROWS, 32), float32)
+    part = cuda.shared.array((ROWS, LANES), float32)
     part[r, lane] = acc
     cuda.syncthreads()
     if lane == 0 and o < w.shape[0]:
         total = float32(0)
-        for k in range(32):
+        for k in range(LANES):
             total += part[r, k]
         y[o] = total
 
@@ -235,7 +246,7 @@ def launch_q4_gemv(x, qweight, qzeros, scales, y) -> None:
 
 
 def launch_gemv(x, w, y) -> None:
-    gemv[_blocks(w.shape[0], ROWS), (32, ROWS)](x, w, y)
+    gemv[_blocks(w.shape[0], ROWS), (LANES, ROWS)](x, w, y)
 
 
 def launch_rmsnorm(x, w, eps: float, y) -> None:
@@ -260,3 +271,178 @@ def launch_attention_decode(q, k, v, q_pos: int, k_pos, scale: float, window: in
                             probs, out) -> None:
     attention_decode[q.shape[0], THREADS](q, k, v, q_pos, k_pos, np.float32(scale), window,
                                           score, probs, out)
+
+
+@cuda.jit
+def q4_dequantize(qweight, qzeros, scales, dst):
+    """dst [in, out] = W.T of a layer in the AutoAWQ GEMM layout (for a prompt's matmul); one
+    thread per word: 8 outputs of one input row."""
+    n = cuda.grid(1)
+    n_in, words = qweight.shape
+    if n < n_in * words:
+        i, c = n // words, n % words
+        gi = i // (n_in // scales.shape[0])
+        w, zw = qweight[i, c], qzeros[gi, c]
+        for j in range(8):
+            o = 8 * c + _nibble_channel(j)
+            dst[i, o] = float32(((w >> (4 * j)) & 15) - ((zw >> (4 * j)) & 15)) * float32(scales[gi, o])
+
+
+def launch_q4_dequantize(qweight, qzeros, scales, dst) -> None:
+    q4_dequantize[_blocks(qweight.size, THREADS), THREADS](qweight, qzeros, scales, dst)
+
+
+class GpuQ4(NamedTuple):
+    """A 4-bit layer on the GPU, in the AutoAWQ GEMM layout as stored (the projections that share
+    an input side by side, along the output)."""
+
+    qweight: object      # int32 [in, out/8]
+    qzeros: object       # int32 [in/g, out/8]
+    scales: object       # float16 [in/g, out]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[1], self.qweight.shape[0]
+
+
+class CudaBackend(reference.ReferenceBackend):
+    """The decoder's ops on the kernels above. Device arrays are torch tensors on the GPU (the
+    kernels read them through the CUDA array interface, no copies); in Numba's CUDA simulator
+    they are NumPy arrays, so that the whole backend runs, slowly, where there is no GPU.
+    Weights are uploaded once, at load: 4-bit layers as stored, float weights as float16.
+    Host inputs (positions, RoPE tables, the sinks' keys) are copied up where an op takes them.
+    """
+
+    name = "cuda"
+
+    def __init__(self):
+        self.sim = bool(numba.config.ENABLE_CUDASIM)
+        if not self.sim:
+            import torch
+
+            self.torch = torch
+            self._types = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+                           np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def dev(self, a, dtype=np.float32):
+        """A contiguous device array of `a` (host or device) as `dtype`."""
+        if self.sim:     # (the simulator writes every array back after a launch)
+            a = np.ascontiguousarray(a, dtype)
+            return a if a.flags.writeable else a.copy()
+        t = self._types[np.dtype(dtype)]
+        if isinstance(a, self.torch.Tensor):
+            return a.to(device="cuda", dtype=t).contiguous()
+        return self.torch.as_tensor(np.ascontiguousarray(a, dtype), device="cuda")
+
+    def empty(self, shape, dtype=np.float32):
+        if self.sim:
+            return np.empty(shape, dtype)
+        return self.torch.empty(shape, dtype=self._types[np.dtype(dtype)], device="cuda")
+
+    def zeros(self, shape, dtype=np.float32):
+        if self.sim:
+            return np.zeros(shape, dtype)
+        return self.torch.zeros(shape, dtype=self._types[np.dtype(dtype)], device="cuda")
+
+    def to_numpy(self, x) -> np.ndarray:
+        return x if isinstance(x, np.ndarray) else x.float().cpu().numpy()
+
+    def _matmul(self, x, w_t):
+        """x [T, in] @ w_t [in, out] on the device (cuBLAS through torch)."""
+        return x @ w_t
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def prepare_linear(self, parts: list):
+        if all(isinstance(p, awq_layout.QuantizedLinear) for p in parts):
+            return GpuQ4(self.dev(np.concatenate([p.qweight for p in parts], axis=1), np.int32),
+                         self.dev(np.concatenate([p.qzeros for p in parts], axis=1), np.int32),
+                         self.dev(np.concatenate([p.scales for p in parts], axis=1), np.float16))
+        return self.dev(super().prepare_linear(parts), np.float16)
+
+    def prepare_head(self, table: np.ndarray, quantized: bool = False):
+        return self.dev(super().prepare_head(table, quantized), np.float16)
+
+    def prepare_vector(self, a: np.ndarray):
+        return self.dev(a)
+
+    def prepare_embedding(self, table: np.ndarray):
+        return self.dev(table, np.float16)
+
+    # -- ops -------------------------------------------------------------------------------------
+
+    def embedding(self, table, ids):
+        if self.sim:
+            return table[ids].astype(np.float32)
+        return table[self.torch.as_tensor(ids, device="cuda")].float()
+
+    def linear(self, x, w):
+        x = self.dev(x)
+        T = x.shape[0]
+        if isinstance(w, GpuQ4):
+            if T == 1:
+                y = self.empty((1, w.shape[0]))
+                launch_q4_gemv(x[0], w.qweight, w.qzeros, w.scales, y[0])
+                return y
+            w_t = self.empty((w.shape[1], w.shape[0]))
+            launch_q4_dequantize(w.qweight, w.qzeros, w.scales, w_t)
+            return self._matmul(x, w_t)
+        if T == 1:
+            y = self.empty((1, w.shape[0]))
+            launch_gemv(x[0], w, y[0])
+            return y
+        return self._matmul(x, self.dev(w).T)
+
+    def rmsnorm(self, x, w, eps):
+        x = self.dev(x)
+        y = self.empty(x.shape)
+        launch_rmsnorm(x, w, eps, y)
+        return y
+
+    def rope(self, x, cos, sin):
+        x = self.dev(x)
+        y = self.empty(x.shape)
+        launch_rope(x, self.dev(cos), self.dev(sin), y)
+        return y
+
+    def swiglu(self, gu):
+        gu = self.dev(gu)
+        y = self.empty((gu.shape[0], gu.shape[1] // 2))
+        launch_silu_mul(gu, y)
+        return y
+
+    def store_kv(self, k_buf, v_buf, slots, k, v):
+        launch_store_kv(k_buf, v_buf, self.dev(slots, np.int64), self.dev(k), self.dev(v))
+
+    def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None):
+        """One decode attention per query (a prompt's queries one after another: their own and
+        later tokens' slots are hidden by the causal mask)."""
+        q = self.dev(q)
+        T, Q, D = q.shape
+        G = k.shape[0]
+        k_pos = self.dev(np.broadcast_to(k_pos, (G, k_pos.shape[-1])), np.int64)
+        sc = self.zeros((G, 0)) if score is None else self.dev(score)
+        probs, out = self.empty((Q, k_pos.shape[1])), self.empty((T, Q, D))
+        for t in range(T):
+            launch_attention_decode(q[t], k, v, int(q_pos[t]), k_pos, scale, window or 0, sc,
+                                    probs, out[t])
+        if score is not None and sc is not score:
+            score[...] = self.to_numpy(sc)          # a cache that keeps its scores on the host
+        return out
+
+
+def unavailable() -> str | None:
+    """Why the CUDA backend cannot run here (None: it can; Numba's CUDA simulator counts)."""
+    if numba.config.ENABLE_CUDASIM:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return "the CUDA backend needs PyTorch built with CUDA (pip install torch)"
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA GPU (no device, no driver, or a CPU-only build of torch)"
+    if not cuda.is_available():
+        return "Numba sees no CUDA GPU (is the CUDA driver installed?)"
+    return None

@@ -90,3 +90,54 @@ def test_attention_decode(ratio, window, dtype, h2o):
     assert rel_err(out[-1], want) < 1e-5
     if h2o:
         assert rel_err(out[4], want_score) < 1e-6
+
+
+@pytest.mark.parametrize("policy, kind", [("dense", "float"), ("sink", "4-bit"), ("h2o", "4-bit")])
+def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind):
+    """The whole decoder on the CUDA backend (a prompt, then decode steps) gives the reference
+    backend's logits step by step; a cache of 6 slots (1 sink) makes sink and h2o evict. The
+    CUDA backend keeps float weights (and the 4-bit model's head) as float16: a relative error
+    of a few 1e-4 on the logits."""
+    from helpers import tiny_config, write_tiny_model
+
+    from tinyrt.converters import convert
+    from tinyrt.kernels import get_backend
+    from tinyrt.kv_cache import make_cache
+    from tinyrt.models import load_model
+
+    # (the simulator runs a CUDA thread as a Python thread: a model of a few thousand weights)
+    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=32, intermediate_size=64,
+                                                     num_attention_heads=4, num_hidden_layers=1))
+    if kind == "4-bit":
+        d = convert(d, tmp_path / "q", method="rtn", group_size=32)
+    fast, slow = (load_model(d, get_backend(dev)) for dev in ("cuda", "reference"))
+    assert fast.backend.name == "cuda"
+    c = fast.config
+    caches = [make_cache(policy, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                         16 if policy == "dense" else 6, m.backend, np.float32, n_sink=1)
+              for m in (fast, slow)]
+    ids = rng.integers(0, c.vocab_size, 8 if policy == "dense" else 11)
+    a, b = (m.forward(ids[:4], cache, all_logits=True) for m, cache in zip((fast, slow), caches))
+    assert rel_err(fast.backend.to_numpy(a), b) < 3e-3
+    for t in ids[4:]:
+        a, b = (m.forward([t], cache) for m, cache in zip((fast, slow), caches))
+        assert rel_err(fast.backend.to_numpy(a), b) < 3e-3
+    assert caches[0].next_pos == len(ids) and np.array_equal(caches[0].slot_pos, caches[1].slot_pos)
+
+
+def test_cuda_asked_for_and_absent():
+    """Without a GPU (and outside the simulator), --device cuda says why and what to use."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    code = ("from tinyrt.kernels import get_backend, gpu\n"
+            "why = gpu.unavailable()\n"
+            "try:\n    get_backend('cuda')\nexcept ValueError as e:\n    print('refused:', e)\n"
+            "else:\n    print('ran' if why is None else 'no error')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    if out.startswith("ran"):
+        pytest.skip("a CUDA GPU is present: nothing to refuse")
+    assert out.startswith("refused: --device cuda: ") and "use --device cpu" in out
