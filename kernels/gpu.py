@@ -108,35 +108,21 @@ def gemv(x, w, y):
 
 
 @cuda.jit(device=True)
-def _block_sum(part, tid, value):
-    """The sum of `value` over a block of THREADS threads (shared scratch part [THREADS])."""
+def _block_reduce(part, tid, value, take_max):
+    """The sum (or, with take_max, the largest) of `value` over a block of THREADS threads, in
+    shared scratch part [THREADS]: halving strides, a barrier after each."""
     part[tid] = value
     cuda.syncthreads()
     stride = THREADS // 2
     while stride > 0:
         if tid < stride:
-            part[tid] += part[tid + stride]
+            other = part[tid + stride]
+            part[tid] = max(part[tid], other) if take_max else part[tid] + other
         cuda.syncthreads()
         stride //= 2
-    total = part[0]
+    result = part[0]
     cuda.syncthreads()
-    return total
-
-
-@cuda.jit(device=True)
-def _block_max(part, tid, value):
-    """The largest `value` over a block of THREADS threads."""
-    part[tid] = value
-    cuda.syncthreads()
-    stride = THREADS // 2
-    while stride > 0:
-        if tid < stride:
-            part[tid] = max(part[tid], part[tid + stride])
-        cuda.syncthreads()
-        stride //= 2
-    top = part[0]
-    cuda.syncthreads()
-    return top
+    return result
 
 
 @cuda.jit
@@ -148,7 +134,7 @@ def rmsnorm(x, w, eps, y):
     acc = float32(0)
     for i in range(tid, n, THREADS):
         acc += x[t, i] * x[t, i]
-    inv = float32(1) / math.sqrt(_block_sum(part, tid, acc) / n + eps)
+    inv = float32(1) / math.sqrt(_block_reduce(part, tid, acc, False) / n + eps)
     for i in range(tid, n, THREADS):
         y[t, i] = x[t, i] * inv * w[i]
 
@@ -217,14 +203,14 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, score, probs, out):
             e *= scale
         probs[h, s] = e
         top = max(top, e)
-    top = _block_max(part, tid, top)
+    top = _block_reduce(part, tid, top, True)
     total = float32(0)
     for s in range(tid, S, THREADS):
         e = probs[h, s]
         e = float32(0) if e == -math.inf else math.exp(e - top)
         probs[h, s] = e
         total += e
-    total = _block_sum(part, tid, total)
+    total = _block_reduce(part, tid, total, False)
     inv = float32(0) if total == 0 else float32(1) / total
     cuda.syncthreads()           # every thread's probs written before any thread reads them all
     for d in range(tid, D, THREADS):
