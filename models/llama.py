@@ -16,7 +16,7 @@ from tinyrt.kernels import QuantizedLinear
 
 from .config import LlamaConfig
 from .rope import rope_inv_freq
-from .weights import WeightStore
+from .weights import WeightStore, release_pages
 
 
 @dataclass
@@ -147,6 +147,9 @@ class LlamaModel:
             self._rotate_sinks(cache)
         cos, sin = be.rope_tables(self.inv_freq, pos)
         x = be.embedding(self.embed, tokens)                               # [T, H]
+        # a table used as stored, mapped from the file, is read a few rows per token: its rows
+        # leave the resident set at once, or RSS would creep up as new tokens appear
+        release_pages(self.embed)
         for i, L in enumerate(self.layers):
             # buffers [G, C, D], new tokens' slots [G, T], slot positions [G, S], scores or None
             k_buf, v_buf, slots, k_pos, score = cache.layer(i)

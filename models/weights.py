@@ -180,6 +180,20 @@ class WeightStore:
         return sum(e[3] for f in self.files for e in f.entries.values())
 
 
+def release_pages(a) -> None:
+    """Drop the pages of `a`, a NumPy view of a mapped file, from the resident set; they fault
+    back in from the OS's file cache when read again. Other arrays: no-op."""
+    root = a
+    while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root, np.ndarray) or not isinstance(root.base, mmap.mmap) \
+            or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = a.ctypes.data - root.ctypes.data
+    page = start - start % mmap.PAGESIZE
+    root.base.madvise(mmap.MADV_DONTNEED, page, start + a.nbytes - page)
+
+
 def write_safetensors(path: str | Path, specs: list[tuple[str, np.dtype, tuple[int, ...]]],
                       arrays: Iterable[np.ndarray], metadata: dict[str, str] | None = None) -> None:
     """Stream tensors into a safetensors file without holding them all in memory.

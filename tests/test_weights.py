@@ -5,7 +5,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tinyrt.errors import ModelFormatError
-from tinyrt.models.weights import SafetensorsFile, WeightStore, bf16_to_f32, write_safetensors
+from tinyrt.models.weights import (SafetensorsFile, WeightStore, bf16_to_f32, release_pages,
+                                  write_safetensors)
 
 
 def _arrays(rng):
@@ -48,6 +49,31 @@ def test_released_pages_read_back(tmp_path):
     for k, v in arrays.items():
         np.testing.assert_array_equal(before[k], v)
         np.testing.assert_array_equal(f.get(k), v)
+
+
+def _rss_file_kb() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+def test_release_pages_drops_one_tensor_from_the_resident_set(tmp_path):
+    """An embedding table is read a few rows at a time: release_pages unmaps what was read (the
+    process's file-backed RSS falls back by the table's size) and the table still reads right."""
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((4096, 2048)).astype(np.float16)        # 16 MiB
+    save_file({"a": np.ones(3, np.float32), "t": table}, str(tmp_path / "z.safetensors"))
+    t = SafetensorsFile(tmp_path / "z.safetensors").get("t")
+    start = _rss_file_kb()
+    np.testing.assert_array_equal(t, table)                             # every page read
+    assert _rss_file_kb() - start > 12 * 1024
+    release_pages(t)
+    assert _rss_file_kb() - start < 2 * 1024
+    rows = rng.integers(0, 4096, 5)
+    np.testing.assert_array_equal(t[rows], table[rows])
+    release_pages(table)                                                # not mapped: no-op
+    release_pages(t[rows])                                              # a copy: no-op
 
 
 def test_writer_rejects_a_mismatched_array(tmp_path):
