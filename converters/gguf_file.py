@@ -182,11 +182,14 @@ class GGUFFile:
         """A tensor by its HF name, in HF layout (Q/K rows un-permuted)."""
         name = self._gguf_names[hf]
         w = self.tensor(name)
-        if hf.endswith("q_proj.weight"):
-            w = unpermute(w, int(self._arch("attention.head_count")))
-        elif hf.endswith("k_proj.weight"):
-            heads = int(self._arch("attention.head_count"))
-            w = unpermute(w, int(self._arch("attention.head_count_kv", heads)))
+        heads = self._arch("attention.head_count")
+        if hf.endswith("k_proj.weight"):
+            heads = self._arch("attention.head_count_kv", heads)
+        if hf.endswith(("q_proj.weight", "k_proj.weight")):
+            if not isinstance(heads, int) or heads <= 0 or w.shape[0] % (2 * heads):
+                raise ModelFormatError(f"{self.path}: tensor {name} {list(w.shape)} does not "
+                                       f"split into {heads} heads")
+            w = unpermute(w, heads)
         return w
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:

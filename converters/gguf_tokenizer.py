@@ -69,6 +69,16 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
 def build_tokenizer(meta: dict[str, Any]):
     """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (keys without `tokenizer.ggml.`)."""
+    try:
+        return _build_tokenizer(meta)
+    except (ModelFormatError, MemoryError):
+        raise
+    except Exception as e:      # the tokenizers library raises bare Exceptions on bad input
+        raise ModelFormatError(f"the GGUF file's tokenizer is unusable ({type(e).__name__}: "
+                               f"{str(e)[:200]})") from None
+
+
+def _build_tokenizer(meta: dict[str, Any]):
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE
 

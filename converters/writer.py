@@ -55,6 +55,9 @@ def atomic_directory(out: str | Path, force: bool = False) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+    except OSError as e:          # a full disk, a read-only or vanished directory
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TinyrtError(f"cannot write {out}: {e.strerror or e} (nothing was written)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

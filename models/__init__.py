@@ -6,6 +6,7 @@ import ctypes
 from pathlib import Path
 
 from tinyrt.errors import ModelFormatError
+from tinyrt.memory import ensure_fits
 
 from .config import LlamaConfig, QuantConfig
 from .llama import LINEARS, LlamaModel, expected_shapes, linear_shapes
@@ -18,7 +19,10 @@ def load_model(directory: str | Path, backend) -> LlamaModel:
     if not directory.is_dir():
         raise ModelFormatError(f"{directory} is not a model directory")
     config = LlamaConfig.from_file(directory / "config.json")
-    model = LlamaModel(config, WeightStore(directory), backend)
+    weights = WeightStore(directory)
+    if backend.name != "cuda":           # its weights end up in host memory, whatever the form
+        ensure_fits(f"the model in {directory}", weights.nbytes)
+    model = LlamaModel(config, weights, backend)
     trim_heap()
     return model
 

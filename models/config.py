@@ -14,6 +14,35 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def _is(v: Any, kind: str) -> bool:
+    """Whether a JSON value is of `kind`: int, number, str, bool, object, ints (an int or a list
+    of them) or strs (a list of strings)."""
+    if kind in ("int", "number") and isinstance(v, bool):
+        return False
+    if kind == "ints" and isinstance(v, list):
+        return all(_is(x, "int") for x in v)
+    if kind == "strs":
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    types = {"int": int, "ints": int, "number": (int, float), "str": str, "bool": bool,
+             "object": dict}
+    return isinstance(v, types[kind])
+
+
+_WHAT = {"int": "an integer", "ints": "an integer or a list of integers", "number": "a number",
+         "str": "a string", "bool": "true or false", "object": "an object",
+         "strs": "a list of strings"}
+# the JSON kind of each LlamaConfig field, checked by `from_dict`
+_KINDS = {**dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "num_key_value_heads", "head_dim",
+                           "max_position_embeddings", "sliding_window", "bos_token_id",
+                           "pad_token_id"), "int"),
+          **dict.fromkeys(("rms_norm_eps", "rope_theta"), "number"),
+          **dict.fromkeys(("model_type", "hidden_act", "torch_dtype"), "str"),
+          **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), "bool"),
+          **dict.fromkeys(("rope_scaling", "quantization_config"), "object"),
+          "eos_token_id": "ints", "architectures": "strs"}
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """`quantization_config` of an AWQ model directory (AutoAWQ's keys)."""
@@ -75,16 +104,12 @@ class LlamaConfig:
                    if f.default is dataclasses.MISSING and f.name not in kwargs]
         if missing:
             raise ModelFormatError(f"config.json lacks required keys: {', '.join(missing)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings", "sliding_window"):
-            v = kwargs.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ModelFormatError(f"config.json: {name} must be an integer, got {v!r}")
-        for name in ("rms_norm_eps", "rope_theta"):
-            v = kwargs.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise ModelFormatError(f"config.json: {name} must be a number, got {v!r}")
+        nullable = {f.name for f in dataclasses.fields(cls) if f.default is None}
+        for name, v in kwargs.items():
+            kind = _KINDS[name]
+            if not (_is(v, kind) or v is None and name in nullable):
+                raise ModelFormatError(f"config.json: {name} must be {_WHAT[kind]}, "
+                                       f"got {str(v)[:40]!r}")
         if kwargs.get("num_key_value_heads") is None:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
         if kwargs.get("head_dim") is None and kwargs["num_attention_heads"] > 0:
@@ -178,12 +203,20 @@ class LlamaConfig:
             return None
         if not isinstance(q, dict):
             raise ModelFormatError("config.json: quantization_config must be an object")
-        known = {f.name for f in dataclasses.fields(QuantConfig)}
-        qc = QuantConfig(**{k: v for k, v in q.items() if k in known})
+        kinds = {"quant_method": "str", "bits": "int", "group_size": "int", "zero_point": "bool",
+                 "version": "str"}
+        for k, kind in kinds.items():
+            if k in q and not _is(q[k], kind):
+                raise ModelFormatError(f"config.json: quantization_config.{k} must be "
+                                       f"{_WHAT[kind]}, got {str(q[k])[:40]!r}")
+        qc = QuantConfig(**{k: v for k, v in q.items() if k in kinds})
         if qc.quant_method != "awq" or qc.bits != 4 or qc.version.lower() != "gemm":
             raise ModelFormatError(
                 f"unsupported quantization {qc.quant_method} {qc.bits}-bit {qc.version} "
                 "(tinyrt reads AWQ 4-bit GEMM checkpoints)")
+        if qc.group_size <= 0:
+            raise ModelFormatError(f"config.json: quantization_config.group_size must be "
+                                   f"positive, got {qc.group_size}")
         return qc
 
     def to_dict(self) -> dict[str, Any]:

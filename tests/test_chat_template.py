@@ -46,6 +46,22 @@ def test_template_cannot_reach_python_internals(source):
         ChatTemplate(source).render([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize("source, match", [
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "loops"),
+    ("{% for m in range(20) %}{% for b in range(90000) %}{% endfor %}{% endfor %}", "loops"),
+    ("{{ 'x' * 1000000000 }}", "sequence"),
+    ("{{ messages * 2000000 }}", "sequence"),
+    ("{{ 2 ** 100000000 }}", "power"),
+])
+def test_template_work_is_bounded(source, match):
+    """Templates that would hang or fill memory fail at once; a budget is per render."""
+    with pytest.raises(ChatTemplateError, match=match):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    t = ChatTemplate("{% for m in range(6) %}{% for b in range(90000) %}{% endfor %}{% endfor %}"
+                     "{{ ('ab' * 3)|length }}{{ 2 ** 10 }}")
+    assert t.render([]) == t.render([]) == "61024"
+
+
 def test_raise_exception_and_broken_templates():
     t = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(ChatTemplateError, match="roles must alternate"):

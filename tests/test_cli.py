@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,22 +95,33 @@ def test_errors_are_one_clear_line(tmp_path):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_convert_killed_leaves_no_output(tmp_path, default_gguf, sig):
+@pytest.mark.parametrize("sig, at", [(signal.SIGINT, 0.4), (signal.SIGKILL, 0.0), (signal.SIGKILL, 0.5),
+                                     (signal.SIGKILL, 0.95)])
+def test_convert_killed_leaves_all_or_nothing(tmp_path, default_gguf, sig, at):
+    """A real conversion killed at a point `at` (a fraction of the time it takes) leaves either
+    no output or a complete one that loads; never a part. A later conversion sweeps what a killed
+    one left behind."""
+    from tinyrt.models import WeightStore
+
+    cmd = [sys.executable, "-m", "tinyrt", "convert", str(default_gguf), str(tmp_path / "out"),
+           "--method", "none", "--dtype", "f32"]
+    start = time.perf_counter()
+    assert subprocess.run(cmd + ["--force"], capture_output=True).returncode == 0
+    took = time.perf_counter() - start
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "tinyrt", "convert", str(default_gguf), str(out), "--method", "none",
-                             "--dtype", "f32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not list(tmp_path.glob(".out.tmp-*/model.safetensors")) and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.0)  # well into writing the weights
+    whole = sorted(WeightStore(out).keys())
+    shutil.rmtree(out)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(at * took)
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    assert proc.returncode != 0
-    assert not out.exists()
-    if sig == signal.SIGINT:  # cleaned up on the way out
+    if out.exists():              # it had finished: the whole model is there
+        assert proc.returncode == 0
+        assert sorted(WeightStore(out).keys()) == whole and (out / "config.json").exists()
+    else:
+        assert proc.returncode != 0
+    if sig == signal.SIGINT and proc.returncode != 0:     # cleaned up on the way out
         assert list(tmp_path.iterdir()) == []
-    # a later conversion sweeps what a killed one left and completes
-    p = tinyrt("convert", str(default_gguf), str(out), "--method", "none", "--dtype", "f16")
+    p = tinyrt("convert", str(default_gguf), str(out), "--method", "none", "--dtype", "f16", "--force")
     assert p.returncode == 0, p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["out"]

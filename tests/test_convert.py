@@ -92,3 +92,29 @@ def test_gguf_rope_freqs_become_llama3_scaling(tmp_path, matches):
     else:
         with pytest.raises(ModelFormatError, match="rope_freqs"):
             convert(path, tmp_path / "out", method="none")
+
+
+@pytest.mark.parametrize("method", ["none", "rtn"])
+def test_a_full_disk_gives_a_clean_error_and_leaves_nothing(tmp_path, monkeypatch, method):
+    """ENOSPC in the middle of writing the weights: one-line error, no output, no temporaries."""
+    import errno
+
+    import tinyrt.converters.conversion as conversion
+    from tinyrt.errors import TinyrtError
+
+    src = write_tiny_model(tmp_path / "src")
+    real = conversion.write_safetensors
+
+    def full_disk(path, specs, arrays, metadata=None):
+        def some(arrays):
+            for i, a in enumerate(arrays):
+                if i == 3:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                yield a
+        real(path, specs, some(arrays), metadata)
+
+    monkeypatch.setattr(conversion, "write_safetensors", full_disk)
+    out = tmp_path / "out"
+    with pytest.raises(TinyrtError, match=r"cannot write .*out: No space left on device"):
+        convert(src, out, method=method)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

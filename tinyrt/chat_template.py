@@ -3,7 +3,9 @@
 A template comes inside a downloaded file, so it is untrusted: it runs in an
 `ImmutableSandboxedEnvironment` (no attribute access to Python internals, no mutation of the
 messages we pass), with the same options and helpers as transformers' `apply_chat_template`, so that
-prompts match token for token.
+prompts match token for token. Work is bounded too: `range` hands out at most RANGE_BUDGET items
+per render, repetition (`'x' * n`) builds at most MAX_REPEAT items and powers take small
+exponents, so that a hostile template fails cleanly instead of hanging or filling memory.
 """
 
 from __future__ import annotations
@@ -33,19 +35,42 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+RANGE_BUDGET = 1_000_000      # items all `range` calls of one render may produce
+MAX_REPEAT = 1_000_000        # items of a string or list built by `*`
+MAX_EXPONENT = 256
+
+
+def _sandbox(**options):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            sized = [x for x in (left, right) if isinstance(x, (str, list, tuple))]
+            count = [x for x in (left, right) if isinstance(x, int)]
+            if operator == "*" and sized and count and len(sized[0]) * count[0] > MAX_REPEAT:
+                raise ChatTemplateError(f"the chat template builds a sequence of more than "
+                                        f"{MAX_REPEAT} items")
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+                raise ChatTemplateError(f"the chat template raises to a power above {MAX_EXPONENT}")
+            return super().call_binop(context, operator, left, right)
+
+    return Sandbox(**options)
+
+
 class ChatTemplate:
     """A compiled chat template with the tokenizer's special-token strings."""
 
     def __init__(self, source: str, *, bos_token: str | None = None, eos_token: str | None = None):
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
+        env = _sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
+        env.globals["range"] = self._range
+        self._budget = RANGE_BUDGET
         try:
             self.template = env.from_string(source)
         except TemplateError as e:
@@ -64,6 +89,7 @@ class ChatTemplate:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                     or not isinstance(m.get("content"), str):
                 raise ChatTemplateError("each message needs a string 'role' and 'content'")
+        self._budget = RANGE_BUDGET
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
@@ -74,6 +100,16 @@ class ChatTemplate:
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
                 ZeroDivisionError, RecursionError, OverflowError) as e:
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+
+    def _range(self, *args):
+        from jinja2.sandbox import safe_range
+
+        r = safe_range(*args)
+        self._budget -= len(r)
+        if self._budget < 0:
+            raise ChatTemplateError(f"the chat template loops over more than {RANGE_BUDGET} "
+                                    "items")
+        return r
 
 
 def template_from_config(config: dict) -> ChatTemplate | None:

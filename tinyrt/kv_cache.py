@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinyrt.errors import CacheFullError, TinyrtError
+from tinyrt.memory import ensure_fits
 
 KV_TYPES = {"f16": np.float16, "f32": np.float32}
 
@@ -47,6 +48,10 @@ class KVCache:
                  dtype=np.float16):
         if capacity <= 0:
             raise CacheFullError(f"the KV cache needs a positive size, got {capacity}")
+        if backend.name != "cuda":       # host memory; a GPU reports its own shortage
+            ensure_fits(f"a KV cache of {capacity:,} tokens",
+                        2 * n_layers * kv_heads * capacity * head_dim * np.dtype(dtype).itemsize,
+                        ": choose a smaller --kv-size")
         self.capacity, self.kv_heads = capacity, kv_heads
         self.k = backend.zeros((n_layers, kv_heads, capacity, head_dim), dtype)
         self.v = backend.zeros((n_layers, kv_heads, capacity, head_dim), dtype)

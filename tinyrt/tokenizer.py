@@ -108,8 +108,11 @@ class SPTokenizer(Tokenizer):
         self.sp = spm.SentencePieceProcessor()
         try:
             self.sp.load(str(path))
-        except (OSError, RuntimeError) as e:
+            self._init(config)
+        except (OSError, RuntimeError, UnicodeDecodeError) as e:
             raise ModelFormatError(f"{path} is not a valid sentencepiece model ({e})") from None
+
+    def _init(self, config: dict) -> None:
         n = self.sp.get_piece_size()
         self._special = {i for i in range(n) if self.sp.is_control(i) or self.sp.is_unknown(i)}
         # Control pieces never come out of sentencepiece's own encoding of text, so they are split
