@@ -300,6 +300,7 @@ class CudaBackend(reference.ReferenceBackend):
     """
 
     name = "cuda"
+    host_memory = False
 
     def __init__(self):
         self.sim = bool(numba.config.ENABLE_CUDASIM)

@@ -125,6 +125,7 @@ class ReferenceBackend:
     """
 
     name = "reference"
+    host_memory = True       # its arrays (weights, KV cache) live in the machine's RAM
 
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         """A zeroed array whose pages are mapped as they are first written, 4 KiB at a time, so a

@@ -20,7 +20,7 @@ def load_model(directory: str | Path, backend) -> LlamaModel:
         raise ModelFormatError(f"{directory} is not a model directory")
     config = LlamaConfig.from_file(directory / "config.json")
     weights = WeightStore(directory)
-    if backend.name != "cuda":           # its weights end up in host memory, whatever the form
+    if backend.host_memory:              # its weights end up in RAM, whatever their form
         ensure_fits(f"the model in {directory}", weights.nbytes)
     model = LlamaModel(config, weights, backend)
     trim_heap()

@@ -28,6 +28,11 @@ def _is(v: Any, kind: str) -> bool:
     return isinstance(v, types[kind])
 
 
+def _check_kind(name: str, v: Any, kind: str) -> None:
+    if not _is(v, kind):
+        raise ModelFormatError(f"config.json: {name} must be {_WHAT[kind]}, got {str(v)[:40]!r}")
+
+
 _WHAT = {"int": "an integer", "ints": "an integer or a list of integers", "number": "a number",
          "str": "a string", "bool": "true or false", "object": "an object",
          "strs": "a list of strings"}
@@ -41,6 +46,8 @@ _KINDS = {**dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "nu
           **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), "bool"),
           **dict.fromkeys(("rope_scaling", "quantization_config"), "object"),
           "eos_token_id": "ints", "architectures": "strs"}
+_QUANT_KINDS = {"quant_method": "str", "bits": "int", "group_size": "int", "zero_point": "bool",
+                "version": "str"}
 
 
 @dataclass(frozen=True)
@@ -106,10 +113,8 @@ class LlamaConfig:
             raise ModelFormatError(f"config.json lacks required keys: {', '.join(missing)}")
         nullable = {f.name for f in dataclasses.fields(cls) if f.default is None}
         for name, v in kwargs.items():
-            kind = _KINDS[name]
-            if not (_is(v, kind) or v is None and name in nullable):
-                raise ModelFormatError(f"config.json: {name} must be {_WHAT[kind]}, "
-                                       f"got {str(v)[:40]!r}")
+            if v is not None or name not in nullable:
+                _check_kind(name, v, _KINDS[name])
         if kwargs.get("num_key_value_heads") is None:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
         if kwargs.get("head_dim") is None and kwargs["num_attention_heads"] > 0:
@@ -203,13 +208,10 @@ class LlamaConfig:
             return None
         if not isinstance(q, dict):
             raise ModelFormatError("config.json: quantization_config must be an object")
-        kinds = {"quant_method": "str", "bits": "int", "group_size": "int", "zero_point": "bool",
-                 "version": "str"}
-        for k, kind in kinds.items():
-            if k in q and not _is(q[k], kind):
-                raise ModelFormatError(f"config.json: quantization_config.{k} must be "
-                                       f"{_WHAT[kind]}, got {str(q[k])[:40]!r}")
-        qc = QuantConfig(**{k: v for k, v in q.items() if k in kinds})
+        for k, kind in _QUANT_KINDS.items():
+            if k in q:
+                _check_kind(f"quantization_config.{k}", q[k], kind)
+        qc = QuantConfig(**{k: v for k, v in q.items() if k in _QUANT_KINDS})
         if qc.quant_method != "awq" or qc.bits != 4 or qc.version.lower() != "gemm":
             raise ModelFormatError(
                 f"unsupported quantization {qc.quant_method} {qc.bits}-bit {qc.version} "

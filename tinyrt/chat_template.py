@@ -69,8 +69,7 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        env.globals["range"] = self._range
-        self._budget = RANGE_BUDGET
+        env.globals["range"] = self._range       # budgeted: reset by each render
         try:
             self.template = env.from_string(source)
         except TemplateError as e:

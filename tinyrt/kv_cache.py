@@ -48,7 +48,7 @@ class KVCache:
                  dtype=np.float16):
         if capacity <= 0:
             raise CacheFullError(f"the KV cache needs a positive size, got {capacity}")
-        if backend.name != "cuda":       # host memory; a GPU reports its own shortage
+        if backend.host_memory:          # a GPU reports its own shortage
             ensure_fits(f"a KV cache of {capacity:,} tokens",
                         2 * n_layers * kv_heads * capacity * head_dim * np.dtype(dtype).itemsize,
                         ": choose a smaller --kv-size")
