@@ -28,8 +28,8 @@ def child(args) -> dict:
     for name in NAMES:
         ws = [getattr(L, name) for L in layers]
         n_out, n_in = ws[0].shape
-        x = np.random.default_rng(0).standard_normal(n_in).astype(np.float32)
-        y = np.empty(n_out, np.float32)
+        x = np.random.default_rng(0).standard_normal((1, n_in)).astype(np.float32)
+        y = np.empty((1, n_out), np.float32)
         times = []
         for _ in range(args.reps):
             start = time.perf_counter()

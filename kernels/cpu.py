@@ -2,7 +2,7 @@
 
 Decode at batch 1 reads every weight once per token, so the 4-bit weights are read as they are
 packed, never as a dequantized copy. The AutoAWQ layout (see awq_layout) is repacked once, at load,
-into the pair-planar layout of simd (all projections that share an input fused into one layer);
+into the pair-planar tiles of simd (all projections that share an input fused into one layer);
 scales stay float16 and zero points become bytes. A one-token GEMV rounds the activations to int16
 (one scale per block of at most X_BLOCK inputs, inside one quantization group) and sums codes times
 activations in integers, 32 pairs per instruction (simd.pair_dot), then per block and output
@@ -37,7 +37,9 @@ import numpy as np
 from numba import njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
-from . import awq_layout, reference, simd
+from . import awq_layout, jit_cache, reference, simd
+
+jit_cache.guard()
 
 SMALL_TOKENS = 16        # up to this many tokens (a draft's verification), layers run as GEMVs
                          # that read the weights once for all and attention as decode attention
@@ -64,15 +66,18 @@ def _prange_only() -> dict:
 
 
 class Q4Linear(NamedTuple):
-    """A 4-bit linear layer in the pair-planar layout (see simd)."""
+    """A 4-bit linear layer in pair-planar tiles of simd.LANES outputs (see simd), the last tile
+    padded with zero codes and scales; scales and zero points in tiles alike, so a tile's
+    weights, scales and zero points each lie in one piece."""
 
-    w: np.ndarray        # int32 [in/8, out]: the codes of output o for inputs 8r .. 8r+7 in w[r, o]
-    s: np.ndarray        # uint16 [in/g, out]: the float16 scales' bits, as stored
-    z: np.ndarray        # uint8 [in/g, out]: zero points
+    w: np.ndarray        # int32 [tiles, in/8, LANES]: output LANES k + j's codes for inputs 8r .. 8r+7 in w[k, r, j]
+    s: np.ndarray        # uint16 [tiles, in/g, LANES]: the float16 scales' bits
+    z: np.ndarray        # uint8 [tiles, in/g, LANES]: zero points
+    n_out: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.s.shape[1], 8 * self.w.shape[0]      # (out, in), as a float weight
+        return self.n_out, 8 * self.w.shape[1]           # (out, in), as a float weight
 
 
 class Int8Rows(NamedTuple):
@@ -81,13 +86,17 @@ class Int8Rows(NamedTuple):
     q: np.ndarray        # int8 [out, in]
     s: np.ndarray        # float32 [out]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
 
 # -- repacking, once at load ---------------------------------------------------------------------
 
 @njit(parallel=_prange_only(), cache=True)
 def _repack_pairs(src, col0, dst):
     """Add a packed AutoAWQ part src int32 [in, out_p/8] whose outputs start at col0 into the
-    pair-planar dst int32 [in/8, out]."""
+    pair-planar tiles dst int32 [tiles, in/8, LANES]."""
     rows, words = src.shape
     for r in prange(rows // 8):
         for t in range(8):
@@ -97,7 +106,8 @@ def _repack_pairs(src, col0, dst):
                 for k in range(8):
                     code = (word >> np.uint32(4 * k)) & np.uint32(15)
                     o = col0 + 8 * c + (2 * k if k < 4 else 2 * k - 7)   # awq_layout.ORDER[k]
-                    dst[r, o] = np.int32(np.uint32(dst[r, o]) | (code << shift))
+                    k, j = o // simd.LANES, o % simd.LANES
+                    dst[k, r, j] = np.int32(np.uint32(dst[k, r, j]) | (code << shift))
 
 
 def repack(parts: list) -> Q4Linear:
@@ -110,14 +120,21 @@ def repack(parts: list) -> Q4Linear:
     if (rows // groups) % 8:
         raise ValueError(f"group size {rows // groups} is not a multiple of 8")
     out = sum(p.scales.shape[1] for p in parts)
-    w = np.zeros((rows // 8, out), np.int32)
+    tiles = -(-out // simd.LANES)
+    w = np.zeros((tiles, rows // 8, simd.LANES), np.int32)
     col = 0
     for p in parts:
         _repack_pairs(np.ascontiguousarray(p.qweight), col, w)
         col += p.scales.shape[1]
-    s = np.concatenate([p.scales.astype(np.float16) for p in parts], axis=1).view(np.uint16)
-    z = np.concatenate([awq_layout.unpack(p.qzeros) for p in parts], axis=1)
-    return Q4Linear(w, s, z)
+
+    def in_tiles(a):                    # [in/g, out] -> [tiles, in/g, LANES], zeros after out
+        padded = np.zeros((groups, tiles * simd.LANES), a.dtype)
+        padded[:, :out] = a
+        return np.ascontiguousarray(padded.reshape(groups, tiles, simd.LANES).transpose(1, 0, 2))
+
+    s = in_tiles(np.concatenate([p.scales.astype(np.float16) for p in parts], axis=1).view(np.uint16))
+    z = in_tiles(np.concatenate([awq_layout.unpack(p.qzeros) for p in parts], axis=1))
+    return Q4Linear(w, s, z, out)
 
 
 @njit(parallel=_prange_only(), cache=True, error_model="numpy")
@@ -166,111 +183,105 @@ def quantize_pairs(x, block, xp, sx, xsum):
 
 
 @njit(fastmath=True, cache=True)
-def _q4_cols(xp, sx, xsum, w, s, z, y, c0, c1):
-    """y[c0:c1]: outputs c0 .. c1-1 of the GEMV of a pair-planar layer with activations from
-    quantize_pairs. Per activation block b (in one quantization group gi):
-        y[o] += s[gi, o] * (sx[b] * (integer dot of codes and x_q)  -  z[gi, o] * xsum[b])"""
-    n_blocks, groups = sx.shape[0], s.shape[0]
-    rows = w.shape[0] // n_blocks                   # word rows per block
-    per_group = n_blocks // groups
-    cv = c0 + (c1 - c0) // simd.LANES * simd.LANES    # vector part [c0, cv), tail [cv, c1)
-    dots = np.empty(c1 - c0, np.int32)
-    out = np.zeros(c1 - c0, np.float32)
-    for b in range(n_blocks):
-        r0, gi = b * rows, b // per_group
-        simd.pair_dot(w, r0, r0 + rows, c0, cv, xp, dots)
-        for c in range(cv, c1):                     # the same sum, one output at a time
-            acc = 0
-            for r in range(r0, r0 + rows):
-                word = np.int64(w[r, c])
-                for m in range(4):
-                    pair = np.int64(xp[4 * r + m])
-                    codes = word >> (4 * m)
-                    acc += (codes & 15) * (((pair & 0xFFFF) ^ 0x8000) - 0x8000)
-                    acc += ((codes >> 16) & 15) * (pair >> 16)
-            dots[c - c0] = acc
-        f, xs = sx[b], xsum[b]
-        for c in range(c0, c1):
-            out[c - c0] += simd.float_from_half(s[gi, c]) * (
-                f * np.float32(dots[c - c0]) - np.float32(z[gi, c]) * xs)
-    y[c0:c1] = out
+def _q4_tiles(xp, sx, xsum, w, s, z, y, k0, k1):
+    """Tiles k0 .. k1-1 of the GEMV of a 4-bit layer (pair-planar tiles) for T tokens'
+    activations xp, sx, xsum [T, ...] (from quantize_pairs) into y [T, out]. Per tile, token and
+    activation block b (in quantization group gi), for each output o of the tile:
+        y[t, o] += s[gi, o] * (sx[t, b] * (integer dot of codes and x_q)  -  z[gi, o] * xsum[t, b])
+    A tile stays in the L1 cache from one token to the next; each token's outputs are the same
+    sums in the same order whatever T."""
+    T, n_blocks = sx.shape
+    rows = w.shape[1] // n_blocks                   # word rows per block
+    per_group = n_blocks // s.shape[1]
+    n_out = y.shape[1]
+    dots = np.empty(simd.LANES, np.int32)
+    out = np.empty(simd.LANES, np.float32)
+    for k in range(k0, k1):
+        c0 = k * simd.LANES
+        n = min(simd.LANES, n_out - c0)
+        for t in range(T):
+            out[:] = 0
+            for b in range(n_blocks):
+                gi = b // per_group
+                simd.pair_dot(w[k], b * rows, b * rows + rows, xp[t], dots)
+                f, xs = sx[t, b], xsum[t, b]
+                for j in range(simd.LANES):
+                    out[j] += simd.float_from_half(s[k, gi, j]) * (
+                        f * np.float32(dots[j]) - np.float32(z[k, gi, j]) * xs)
+            y[t, c0:c0 + n] = out[:n]
 
 
 @njit(parallel=_prange_only(), cache=True)
 def q4_gemv(x, w, s, z, y, threads):
-    """y [out] = x [in] @ W.T for a pair-planar 4-bit layer. The activations are quantized to
-    int16 in blocks of at most X_BLOCK inputs (a block never spans two quantization groups: its
-    size divides the group size), so the inner loop is integer pairwise multiply-adds (simd);
-    `threads` tasks take ranges of outputs."""
-    n_in, n_out = 8 * w.shape[0], w.shape[1]
-    block = math.gcd(n_in // s.shape[0], X_BLOCK)
-    xp = np.empty(n_in // 2, np.int32)
-    sx = np.empty(n_in // block, np.float32)
-    xsum = np.empty(n_in // block, np.float32)
-    quantize_pairs(x, block, xp, sx, xsum)
-    n_vec = (n_out + simd.LANES - 1) // simd.LANES
-    tasks = max(1, min(threads, n_vec))
-    step = (n_vec + tasks - 1) // tasks * simd.LANES
-    for t in prange(tasks):
-        _q4_cols(xp, sx, xsum, w, s, z, y, t * step, min(n_out, t * step + step))
-
-
-@njit(parallel=_prange_only(), cache=True)
-def q4_gemv_rows(x, w, s, z, y, threads):
-    """q4_gemv of a few tokens x [T, in] -> y [T, out], the weights read from memory once: each
-    task's share of a layer (at most 0.5 MB for the default model's largest, at 2 threads)
-    stays in the L2 cache from one token to the next. Each row of y is what q4_gemv gives that
-    token, to the bit: the same columns, in the same calls."""
-    T, n_in, n_out = x.shape[0], 8 * w.shape[0], w.shape[1]
-    block = math.gcd(n_in // s.shape[0], X_BLOCK)
+    """y [T, out] = x [T, in] @ W.T for a few tokens and a 4-bit layer in pair-planar tiles. The
+    activations are quantized to int16 in blocks of at most X_BLOCK inputs (a block never spans
+    two quantization groups: its size divides the group size), so the inner loop is integer
+    pairwise multiply-adds (simd); `threads` tasks take runs of tiles, each read from memory
+    once for all the tokens."""
+    T, n_in = x.shape
+    block = math.gcd(n_in // s.shape[1], X_BLOCK)
     xp = np.empty((T, n_in // 2), np.int32)
     sx = np.empty((T, n_in // block), np.float32)
     xsum = np.empty((T, n_in // block), np.float32)
     for t in range(T):
         quantize_pairs(x[t], block, xp[t], sx[t], xsum[t])
-    n_vec = (n_out + simd.LANES - 1) // simd.LANES
-    tasks = max(1, min(threads, n_vec))
-    step = (n_vec + tasks - 1) // tasks * simd.LANES
+    tiles = w.shape[0]
+    tasks = max(1, min(threads, tiles))
+    step = (tiles + tasks - 1) // tasks
     for task in prange(tasks):
-        for t in range(T):
-            _q4_cols(xp[t], sx[t], xsum[t], w, s, z, y[t], task * step, min(n_out, task * step + step))
+        _q4_tiles(xp, sx, xsum, w, s, z, y, task * step, min(tiles, task * step + step))
 
 
 @njit(fastmath=True, cache=True)
 def q4_dequantize(w, s, z, c0, c1, dst):
-    """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a pair-planar 4-bit layer. On one
-    thread, on purpose: BLAS runs next, and OpenMP workers left spinning by a parallel loop
-    would take its cores for milliseconds, slowing every prompt GEMM several times over."""
-    g = 8 * w.shape[0] // s.shape[0]
-    for r in range(w.shape[0]):
-        words = w[r, c0:c1]             # views: indices from range() need no wraparound
-        for t in range(8):              # check, which would keep the loop from vectorizing
-            i = 8 * r + t
-            zeros, scales, row = z[i // g, c0:c1], s[i // g, c0:c1], dst[i]
-            shift = simd.pair_shift(t)
-            for j in range(c1 - c0):
-                row[j] = (np.float32((words[j] >> shift) & 15) - np.float32(zeros[j])) \
-                    * simd.float_from_half(scales[j])
+    """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a 4-bit layer in pair-planar
+    tiles, c0 a multiple of LANES. On one thread, on purpose: BLAS runs next, and OpenMP workers
+    left spinning by a parallel loop would take its cores for milliseconds, slowing every prompt
+    GEMM several times over."""
+    g = 8 * w.shape[1] // s.shape[1]
+    for r in range(w.shape[1]):
+        for t in range(8):
+            i, shift = 8 * r + t, simd.pair_shift(t)
+            for k in range(c0 // simd.LANES, (c1 + simd.LANES - 1) // simd.LANES):
+                words, zeros, scales = w[k, r], z[k, i // g], s[k, i // g]
+                n = min(simd.LANES, c1 - k * simd.LANES)
+                row = dst[i, k * simd.LANES - c0:]    # views: indices from range() need no
+                for j in range(n):                     # wraparound check, which would keep the
+                    row[j] = (np.float32((words[j] >> shift) & 15) - np.float32(zeros[j])) \
+                        * simd.float_from_half(scales[j])   # loop from vectorizing
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
 def gemv_rows(x, w, s, y, nchunk):
     """y [T, out] = x [T, in] @ W.T for a few tokens, W = w [out, in] (float32, or int8 rows
-    times their scales s [out]; s empty: none), each row of w read from memory once and used
-    for every token while it sits in L1 (BLAS's GEMM repacks the weights first, which costs two
-    passes over them at T = 2..16: twice the time of T = 1). Each token's dot with a row is
-    computed alike whatever T."""
-    T, rows = x.shape[0], w.shape[0]
+    times their scales s [out]; s empty: none), read from memory once: four rows at a time, used
+    for every token while they sit in L1 (BLAS's GEMM repacks the weights first, which costs two
+    passes over them at T = 2..16: twice the time of T = 1). A row's dot with a token is the same
+    loop whatever T, so each token's outputs are those it gets alone, to the bit."""
+    T, rows, n = x.shape[0], w.shape[0], w.shape[1]
     scaled = s.shape[0] > 0
-    step = (rows + nchunk - 1) // nchunk
+    step = ((rows + nchunk - 1) // nchunk + 3) // 4 * 4
     for ch in prange(nchunk):
-        for r in range(ch * step, min(rows, ch * step + step)):
-            row = w[r]
+        r, end = ch * step, min(rows, ch * step + step)
+        while r + 4 <= end:
+            w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
             for t in range(T):
                 xt = x[t]
+                a0 = a1 = a2 = a3 = np.float32(0)
+                for i in range(n):
+                    a0 += xt[i] * np.float32(w0[i])
+                    a1 += xt[i] * np.float32(w1[i])
+                    a2 += xt[i] * np.float32(w2[i])
+                    a3 += xt[i] * np.float32(w3[i])
+                if scaled:
+                    a0, a1, a2, a3 = a0 * s[r], a1 * s[r + 1], a2 * s[r + 2], a3 * s[r + 3]
+                y[t, r], y[t, r + 1], y[t, r + 2], y[t, r + 3] = a0, a1, a2, a3
+            r += 4
+        for r in range(r, end):                    # the last rows of the last chunk
+            for t in range(T):
                 acc = np.float32(0)
-                for i in range(row.shape[0]):
-                    acc += xt[i] * np.float32(row[i])
+                for i in range(n):
+                    acc += x[t, i] * np.float32(w[r, i])
                 y[t, r] = acc * s[r] if scaled else acc
 
 
@@ -431,48 +442,51 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, tot
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
 def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
-    """One query per head over the cache: q [Q, D]; k, v [G, S', D] whole cache buffers of which
-    the first S slots are read, k_pos [G, S] their positions (-1 = free slot); window <= 0 means
-    none. score [G, S'] gets each slot's attention weights added (summed over the query heads
-    of its KV head), unless it is empty ([G, 0]). Returns [Q, D]. The slots go in blocks of
-    ATTENTION_BLOCK, shared among up to `threads` tasks (every K/V row is read once, for all
-    heads); the blocks' partial softmaxes are merged at the end, in order. The blocks' bounds
-    do not depend on S, so slots appended after the query's position (masked: a draft's
-    verification) change nothing in its result, to the bit."""
-    Q, D = q.shape
+    """A few queries, one per head each, over the cache: q [T, Q, D] at positions q_pos [T];
+    k, v [G, S', D] whole cache buffers of which the first S slots are read, k_pos [G, S] their
+    positions (-1 = free slot); window <= 0 means none. score [G, S'] gets each slot's
+    attention weights added (summed over the query heads of its KV head, query after query),
+    unless it is empty ([G, 0]). Returns [T, Q, D]. The slots go in blocks of ATTENTION_BLOCK,
+    shared among up to `threads` tasks (every K/V row is read once, for all heads and queries);
+    the blocks' partial softmaxes are merged at the end, in order. The blocks' bounds depend on
+    neither S nor T, so slots appended after a query's position (masked: a draft's
+    verification) and the other queries change nothing in its result, to the bit."""
+    T, Q, D = q.shape
     G, S = k_pos.shape
     keep = score.shape[1] > 0
-    probs = np.empty((Q if keep else 1, S if keep else 0), np.float32)
+    probs = np.empty((T, Q if keep else 1, S if keep else 0), np.float32)
     blocks = max(1, (S + ATTENTION_BLOCK - 1) // ATTENTION_BLOCK)
     tasks = min(threads, blocks)
-    outs = np.empty((blocks, Q, D), np.float32)
-    tops = np.empty((blocks, Q), np.float32)
-    totals = np.empty((blocks, Q), np.float32)
-    for t in prange(tasks):
-        for b in range(t, blocks, tasks):
-            outs[b] = 0
-            _attention_slots(q, k, v, q_pos, k_pos, scale, window, b * ATTENTION_BLOCK,
-                             min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK), outs[b], tops[b],
-                             totals[b], probs)
-    out = np.zeros((Q, D), np.float32)
-    for h in range(Q):
-        m = np.float32(-np.inf)
-        for b in range(blocks):
-            m = max(m, tops[b, h])
-        denom = np.float32(0)
-        for b in range(blocks):
-            if totals[b, h] > 0:
-                f = exp(tops[b, h] - m)
-                denom += f * totals[b, h]
-                out[h] += f * outs[b, h]
-        out[h] /= denom
-        if keep:                             # the weights: e**(score - top_b) * e**(top_b - m) / denom
-            sg = score[h // (Q // G)]
+    outs = np.empty((T, blocks, Q, D), np.float32)
+    tops = np.empty((T, blocks, Q), np.float32)
+    totals = np.empty((T, blocks, Q), np.float32)
+    for task in prange(tasks):
+        for b in range(task, blocks, tasks):
+            for t in range(T):
+                outs[t, b] = 0
+                _attention_slots(q[t], k, v, q_pos[t], k_pos, scale, window, b * ATTENTION_BLOCK,
+                                 min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK), outs[t, b],
+                                 tops[t, b], totals[t, b], probs[t])
+    out = np.zeros((T, Q, D), np.float32)
+    for t in range(T):
+        for h in range(Q):
+            m = np.float32(-np.inf)
             for b in range(blocks):
-                if totals[b, h] > 0:
-                    f = exp(tops[b, h] - m) / denom
-                    for s in range(b * ATTENTION_BLOCK, min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK)):
-                        sg[s] += probs[h, s] * f
+                m = max(m, tops[t, b, h])
+            denom = np.float32(0)
+            for b in range(blocks):
+                if totals[t, b, h] > 0:
+                    f = exp(tops[t, b, h] - m)
+                    denom += f * totals[t, b, h]
+                    out[t, h] += f * outs[t, b, h]
+            out[t, h] /= denom
+            if keep:                         # the weights: e**(score - top_b) * e**(top_b - m) / denom
+                sg = score[h // (Q // G)]
+                for b in range(blocks):
+                    if totals[t, b, h] > 0:
+                        f = exp(tops[t, b, h] - m) / denom
+                        for s in range(b * ATTENTION_BLOCK, min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK)):
+                            sg[s] += probs[t, h, s] * f
     return out
 
 
@@ -589,22 +603,24 @@ def decode_layer(x, in_norm, post_norm, eps,
     call from Python are paid once per layer."""
     G, D = k_buf.shape[0], k_buf.shape[2]
     Qd, Gd = n_heads * D, G * D
-    h = rmsnorm(x.reshape(1, -1), in_norm, eps)[0]
-    qkv = np.empty(qkv_s.shape[1], np.float32)
-    q4_gemv(h, qkv_w, qkv_s, qkv_z, qkv, threads)
+    h = rmsnorm(x.reshape(1, -1), in_norm, eps)
+    qkv = np.empty(Qd + 2 * Gd, np.float32)
+    q4_gemv(h, qkv_w, qkv_s, qkv_z, qkv.reshape(1, -1), threads)
     q = rope(qkv[:Qd].reshape(1, n_heads, D), cos, sin)[0]
     k = rope(qkv[Qd:Qd + Gd].reshape(1, G, D), cos, sin)[0]
     store_kv(k_buf, v_buf, slots, k.reshape(1, G, D), qkv[Qd + Gd:].reshape(1, G, D))
-    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads, score)
+    a = attention_decode(q.reshape(1, n_heads, D), k_buf, v_buf, np.full(1, pos), k_pos, scale,
+                         window, threads, score)
     y = np.empty(x.shape[0], np.float32)
-    q4_gemv(a.reshape(-1), o_w, o_s, o_z, y, threads)
+    q4_gemv(a.reshape(1, -1), o_w, o_s, o_z, y.reshape(1, -1), threads)
     x += y
     h = rmsnorm(x.reshape(1, -1), post_norm, eps)
-    gu = np.empty(gu_s.shape[1], np.float32)
-    q4_gemv(h[0], gu_w, gu_s, gu_z, gu, threads)
-    act = np.empty(gu.shape[0] // 2, np.float32)
+    n_inner = 8 * d_w.shape[1]
+    gu = np.empty(2 * n_inner, np.float32)
+    q4_gemv(h, gu_w, gu_s, gu_z, gu.reshape(1, -1), threads)
+    act = np.empty(n_inner, np.float32)
     _swiglu_row(gu, act)
-    q4_gemv(act, d_w, d_s, d_z, y, threads)
+    q4_gemv(act.reshape(1, -1), d_w, d_s, d_z, y.reshape(1, -1), threads)
     x += y
 
 
@@ -653,7 +669,7 @@ class CpuBackend(reference.ReferenceBackend):
         """x [T, in] @ W.T for a prompt: W dequantized a tile of columns at a time into a scratch
         buffer of at most DEQUANT_TILE_BYTES, each tile one BLAS GEMM, so that the buffer stays
         small where a layer is large (the default model's LM head would take 113 MB)."""
-        n_out, n_in = w.shape if isinstance(w, Q4Linear) else w.q.shape
+        n_out, n_in = w.shape
         cols = max(simd.LANES, DEQUANT_TILE_BYTES // (4 * n_in) // simd.LANES * simd.LANES)
         if self._scratch.size < n_in * cols:
             self._scratch = np.empty(n_in * cols, np.float32)
@@ -679,15 +695,11 @@ class CpuBackend(reference.ReferenceBackend):
             return y
         if T > SMALL_TOKENS:
             return self._prompt_linear(x, w)
+        y = np.empty((T, w.shape[0]), np.float32)
         if isinstance(w, Int8Rows):
-            y = np.empty((T, w.q.shape[0]), np.float32)
             gemv_rows(x, w.q, w.s, y, self.threads)
-        elif T == 1:
-            y = np.empty((1, w.shape[0]), np.float32)
-            q4_gemv(x[0], w.w, w.s, w.z, y[0], self.threads)
         else:
-            y = np.empty((T, w.shape[0]), np.float32)
-            q4_gemv_rows(x, w.w, w.s, w.z, y, self.threads)
+            q4_gemv(x, w.w, w.s, w.z, y, self.threads)
         return y
 
     def fused_decode(self, layer) -> bool:
@@ -721,12 +733,12 @@ class CpuBackend(reference.ReferenceBackend):
         k_pos = np.ascontiguousarray(k_pos if k_pos.ndim == 2 else np.tile(k_pos, (k.shape[0], 1)))
         if q.shape[0] > SMALL_TOKENS:
             return attention_prompt(q, k, v, q_pos, k_pos, scale, window, score)
-        # a few tokens (a draft's verification): one decode attention each, the later tokens'
-        # slots hidden by the causal mask; no BLAS call, whose spinning threads would slow the
-        # Numba kernels around it
-        kb, vb, sc = _bits(k), _bits(v), _scores(score)
-        return np.stack([attention_decode(q[t], kb, vb, int(q_pos[t]), k_pos, np.float32(scale),
-                                          window or 0, self.threads, sc) for t in range(len(q))])
+        # a few tokens (a draft's verification): decode attention, each query as if alone, the
+        # later tokens' slots hidden by the causal mask; no BLAS call, whose spinning threads
+        # would slow the Numba kernels around it
+        return attention_decode(np.ascontiguousarray(q, np.float32), _bits(k), _bits(v),
+                                np.ascontiguousarray(q_pos, np.int64), k_pos, np.float32(scale),
+                                window or 0, self.threads, _scores(score))
 
     lowest_scored = staticmethod(lowest_scored)
 

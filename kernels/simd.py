@@ -8,10 +8,12 @@ CPU's 16-bit multiply-add of pairs (x86: pmaddwd, or vpdpwssd where AVX-512 VNNI
 Arm: smull + addp), which multiplies 32 code/activation pairs per instruction. The IR is
 target-independent; LLVM picks the instructions for the machine Numba compiles for.
 
-The layout it reads, "pair-planar": a 4-bit layer W.T [in, out] is stored as int32 [in/8, out];
-word [r, o] holds the codes of output o for inputs 8r .. 8r+7, input 8r + 2m at bit 4m and input
+The layout it reads, "pair-planar tiles": a 4-bit layer's outputs go in tiles of LANES, each tile
+an int32 array [in/8, LANES], one after the other (int32 [out/LANES, in/8, LANES]); word [k, r, j]
+holds the codes of output LANES k + j for inputs 8r .. 8r+7, input 8r + 2m at bit 4m and input
 8r + 2m + 1 at bit 16 + 4m (m = 0..3). So (word >> 4m) & 0x000F000F is two 16-bit integers, the
-codes of a pair of inputs, ready for a pairwise multiply-add with the pair's two int16 activations.
+codes of a pair of inputs, ready for a pairwise multiply-add with the pair's two int16 activations,
+and a GEMV reads each tile from start to end, the whole layer in the order it lies in memory.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 LANES = 16          # outputs per vector: int32 lanes of a 512-bit register (LLVM splits if narrower)
+PREFETCH_BYTES = 2048   # how far ahead of its loads pair_dot asks for memory (best of 0.5-8 KiB)
 PAIR_MASK = 0x000F000F
 HALF_MAX = 65504.0     # the largest finite float16
 
@@ -33,24 +36,26 @@ def pair_shift(t):
 
 
 @intrinsic
-def pair_dot(typingctx, w, r0, r1, c0, c1, xp, dst):
-    """dst[c - c0] (int32) = sum over word rows r in [r0, r1) and m = 0..3 of
-    lo(w[r, c] >> 4m) * lo(xp[4r + m]) + hi(w[r, c] >> 4m) * hi(xp[4r + m]), for c in [c0, c1),
-    (c1 - c0) a multiple of LANES. lo/hi: the 16-bit halves, codes masked to 4 bits, activations
-    signed. w int32 [in/8, out] (pair-planar), xp int32 [in/2] (pairs of int16 activations),
-    dst int32 [>= c1 - c0]."""
-    sig = types.void(w, r0, r1, c0, c1, xp, dst)
+def pair_dot(typingctx, w, r0, r1, xp, dst):
+    """dst[j] (int32) = sum over word rows r in [r0, r1) and m = 0..3 of
+    lo(w[r, j] >> 4m) * lo(xp[4r + m]) + hi(w[r, j] >> 4m) * hi(xp[4r + m]), j < LANES.
+    lo/hi: the 16-bit halves, codes masked to 4 bits, activations signed. w int32 [in/8, LANES]
+    (one tile of the pair-planar layout, C-contiguous), xp int32 [in/2] (pairs of int16
+    activations), dst int32 [>= LANES]. Each row's load asks for the memory PREFETCH_BYTES
+    ahead: a GEMV streams through its tiles, and the hardware's prefetch alone leaves it waiting
+    on memory (measured: 0.7x the time with it)."""
+    sig = types.void(w, r0, r1, xp, dst)
 
     def codegen(context, builder, signature, args):
-        w_ty, r0_ty, r1_ty, c0_ty, c1_ty, xp_ty, dst_ty = signature.args
+        w_ty, r0_ty, r1_ty, xp_ty, dst_ty = signature.args
         intp = context.get_value_type(types.intp)
-        r0v, r1v, c0v, c1v = (context.cast(builder, v, t, types.intp)
-                              for v, t in zip(args[1:5], (r0_ty, r1_ty, c0_ty, c1_ty)))
+        r0v, r1v = (context.cast(builder, v, t, types.intp)
+                    for v, t in zip(args[1:3], (r0_ty, r1_ty)))
         w_arr = context.make_array(w_ty)(context, builder, args[0])
-        xp_arr = context.make_array(xp_ty)(context, builder, args[5])
-        dst_arr = context.make_array(dst_ty)(context, builder, args[6])
+        xp_arr = context.make_array(xp_ty)(context, builder, args[3])
+        dst_arr = context.make_array(dst_ty)(context, builder, args[4])
 
-        i32 = ir.IntType(32)
+        i8, i32 = ir.IntType(8), ir.IntType(32)
         vec = ir.VectorType(i32, LANES)                      # 16 x i32: one lane per output
         halves = ir.VectorType(ir.IntType(16), 2 * LANES)    # the same bits as 32 x i16
         wide = ir.VectorType(i32, 2 * LANES)
@@ -58,38 +63,40 @@ def pair_dot(typingctx, w, r0, r1, c0, c1, xp, dst):
         odd = ir.Constant(vec, list(range(1, 2 * LANES, 2)))
         mask = ir.Constant(vec, [PAIR_MASK] * LANES)
         splat0 = ir.Constant(vec, [0] * LANES)
-        accs = [cgutils.alloca_once(builder, vec) for _ in range(4)]   # one chain per m
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
 
         def const(v):
             return ir.Constant(intp, v)
 
-        n_vec = builder.sdiv(builder.sub(c1v, c0v), const(LANES))
-        with cgutils.for_range(builder, n_vec) as col:
-            offset = builder.mul(col.index, const(LANES))
-            c = builder.add(c0v, offset)
-            for acc in accs:
-                builder.store(ir.Constant(vec, None), acc)
-            with cgutils.for_range(builder, r1v, start=r0v) as row:
-                r = row.index
-                ptr = cgutils.get_item_pointer(context, builder, w_ty, w_arr, [r, c])
-                words = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
-                for m, acc in enumerate(accs):
-                    pair = builder.load(cgutils.get_item_pointer(
-                        context, builder, xp_ty, xp_arr, [builder.add(builder.mul(r, const(4)), const(m))]))
-                    x = builder.shuffle_vector(
-                        builder.insert_element(ir.Constant(vec, ir.Undefined), pair, ir.Constant(i32, 0)),
-                        ir.Constant(vec, ir.Undefined), splat0)
-                    codes = words if m == 0 else builder.lshr(words, ir.Constant(vec, [4 * m] * LANES))
-                    codes = builder.and_(codes, mask)
-                    prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
-                                       builder.sext(builder.bitcast(x, halves), wide))
-                    undef = ir.Constant(wide, ir.Undefined)
-                    total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
-                    builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
-            a = [builder.load(acc) for acc in accs]
-            out = builder.add(builder.add(a[0], a[1]), builder.add(a[2], a[3]))
-            ptr = cgutils.get_item_pointer(context, builder, dst_ty, dst_arr, [offset])
-            builder.store(out, builder.bitcast(ptr, vec.as_pointer()), align=4)
+        zero = const(0)
+        with cgutils.for_range(builder, r1v, start=r0v) as row:
+            r = row.index
+            ptr = cgutils.get_item_pointer(context, builder, w_ty, w_arr, [r, zero])
+            words = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+            # (read, to all cache levels, data): a hint, which never faults past the array
+            builder.call(prefetch, [builder.gep(builder.bitcast(ptr, i8.as_pointer()),
+                                                [const(PREFETCH_BYTES)]),
+                                    ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            for m, acc in enumerate(accs):
+                pair = builder.load(cgutils.get_item_pointer(
+                    context, builder, xp_ty, xp_arr, [builder.add(builder.mul(r, const(4)), const(m))]))
+                x = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(vec, ir.Undefined), pair, ir.Constant(i32, 0)),
+                    ir.Constant(vec, ir.Undefined), splat0)
+                codes = words if m == 0 else builder.lshr(words, ir.Constant(vec, [4 * m] * LANES))
+                codes = builder.and_(codes, mask)
+                prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
+                                   builder.sext(builder.bitcast(x, halves), wide))
+                undef = ir.Constant(wide, ir.Undefined)
+                total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
+                builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
+        a = [builder.load(acc) for acc in accs]
+        out = builder.add(builder.add(a[0], a[1]), builder.add(a[2], a[3]))
+        ptr = cgutils.get_item_pointer(context, builder, dst_ty, dst_arr, [zero])
+        builder.store(out, builder.bitcast(ptr, vec.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen

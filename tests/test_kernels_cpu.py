@@ -31,7 +31,8 @@ def test_q4_linear(g, n_in, outs, T):
     x = rng.standard_normal((T, n_in)).astype(np.float32)
     be = cpu.CpuBackend()
     prepared = be.prepare_linear(parts)
-    assert prepared.w.shape == (n_in // 8, sum(outs))                          # nibbles, no copy
+    tiles = -(-sum(outs) // 16)
+    assert prepared.w.shape == (tiles, n_in // 8, 16) and prepared.shape == (sum(outs), n_in)
     got = be.linear(x, prepared)
     # one token at a time, the activations are rounded to int16 (1/65534 of a block's largest)
     assert rel_err(got, ref.linear(x, w)) < (1e-4 if T <= cpu.SMALL_TOKENS else 1e-5)
@@ -67,15 +68,20 @@ def test_few_tokens_equal_one_at_a_time(kind, T):
     assert all(np.array_equal(got[t], be.linear(x[t:t + 1], w)[0]) for t in range(T))
 
 
-def test_pair_planar_layout():
-    """Word [r, o] holds output o's codes of inputs 8r + 2m at bit 4m, 8r + 2m + 1 at 16 + 4m."""
-    codes = rng.integers(0, 16, (64, 24))
-    part = awq_layout.QuantizedLinear(awq_layout.pack(codes), awq_layout.pack(codes[::32] * 0),
-                                      np.ones((2, 24), np.float16))
-    words = cpu.repack([part]).w.view(np.uint32)
+def test_pair_planar_tiles():
+    """Word [k, r, j] holds output 16k + j's codes of inputs 8r + 2m at bit 4m, 8r + 2m + 1 at
+    16 + 4m; scales and zero points [k, group, j]; the last tile padded with zeros."""
+    codes, zeros = rng.integers(0, 16, (64, 24)), rng.integers(0, 16, (2, 24))
+    scales = rng.random((2, 24)).astype(np.float16)
+    p = cpu.repack([awq_layout.QuantizedLinear(awq_layout.pack(codes), awq_layout.pack(zeros), scales)])
+    words = p.w.view(np.uint32)
     for i, o in zip(rng.integers(0, 64, 50), rng.integers(0, 24, 50)):
         shift = 4 * (i % 8 // 2) + 16 * (i % 2)
-        assert (words[i // 8, o] >> shift) & 15 == codes[i, o]
+        assert (words[o // 16, i // 8, o % 16] >> shift) & 15 == codes[i, o]
+    for g, o in zip(rng.integers(0, 2, 20), rng.integers(0, 24, 20)):
+        assert p.s[o // 16, g, o % 16] == scales.view(np.uint16)[g, o]
+        assert p.z[o // 16, g, o % 16] == zeros[g, o]
+    assert not words[1, :, 8:].any() and not p.s[1, :, 8:].any() and not p.z[1, :, 8:].any()
 
 
 @pytest.mark.parametrize("block", [8, 32, 128])
@@ -95,13 +101,13 @@ def test_quantize_pairs(block):
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
 @pytest.mark.parametrize("n_out", [8, 120, 136, 576])
 def test_q4_gemv_tasks(threads, n_out):
-    """Any number of tasks, and outputs that are not a multiple of the vector (a scalar tail)."""
+    """Any number of tasks, and outputs that are not a multiple of the vector (a padded tile)."""
     parts = [packed(192, n_out, 32)]
     p = cpu.repack(parts)
-    x = rng.standard_normal(192).astype(np.float32)
-    y = np.full(n_out, np.nan, np.float32)
+    x = rng.standard_normal((1, 192)).astype(np.float32)
+    y = np.full((1, n_out), np.nan, np.float32)
     cpu.q4_gemv(x, p.w, p.s, p.z, y, threads)
-    assert rel_err(y, awq_layout.dequantize(*parts[0]) @ x) < 1e-4
+    assert rel_err(y[0], awq_layout.dequantize(*parts[0]) @ x[0]) < 1e-4
 
 
 def test_exp():
@@ -183,9 +189,9 @@ def test_attention_decode(ratio, S, window, dtype, D):
                                want, atol=1e-5)
     for tasks in (1, 3):
         score = score0.copy()
-        got = cpu.attention_decode(q[0], cpu._bits(k), cpu._bits(v), q_pos[0], k_pos,
+        got = cpu.attention_decode(q, cpu._bits(k), cpu._bits(v), q_pos, k_pos,
                                    np.float32(0.2), window or 0, tasks, score)
-        np.testing.assert_allclose(got[None], want, atol=1e-5)
+        np.testing.assert_allclose(got, want, atol=1e-5)
         np.testing.assert_allclose(score, want_score, atol=1e-5)
     assert not np.array_equal(want_score, score0)
 
@@ -314,5 +320,7 @@ def test_fused_decode_layer_equals_the_ops(tmp_path, heads, kv_heads, window, po
         m.forward(ids[:9], cache)
     for t in ids[9:]:
         a, b = (m.forward([t], cache) for m, cache in zip((fused, ops), caches))
-        assert rel_err(a, b) < 1e-5
+        # the fused kernel is compiled apart (and its code loaded from Numba's cache differs
+        # again from a fresh compilation's): float32 sums in another order, through the layers
+        assert rel_err(a, b) < 1e-4
     assert np.array_equal(caches[0].slot_pos, caches[1].slot_pos)

@@ -75,13 +75,15 @@ class ModelDrafter:
         self._fed_drafts = 0
 
     def start(self, prompt: Sequence[int], target_pos: int) -> None:
-        """A generation starts: the target cache holds `target_pos` tokens, `prompt` comes next.
-        A draft that lost step (the target's cache was reset or rolled back elsewhere) starts
-        again from the prompt alone: its proposals are worse, never wrong."""
+        """A generation starts: the target cache holds `target_pos` tokens, `prompt` comes next;
+        the draft reads it now, with the target's prefill. A draft that lost step (the target's
+        cache was reset or rolled back elsewhere) starts again from the prompt alone: its
+        proposals are worse, never wrong."""
         if self.synced != target_pos:
             self.cache.reset()
             self.pending = []
-        self.pending += list(prompt)
+        self.model.forward(self.pending + list(prompt), self.cache)
+        self.pending = []
         self.synced = None
 
     def propose(self, token: int, gamma: int, choose: Choose) -> tuple[list[int], np.ndarray]:
@@ -229,8 +231,8 @@ class SpeculativeGeneration(Generation):
         t, s, cache, sampler = self.timings, self.timings.speculative, self.cache, self.sampler
         V = self.model.config.vocab_size
         keep = sampler.history_size
-        self.drafter.start(self.prompt, cache.next_pos)
         start = time.perf_counter()
+        self.drafter.start(self.prompt, cache.next_pos)
         logits = self._logits(self.prompt)
         t.prefill_s = time.perf_counter() - start
         history = self.prompt[len(self.prompt) - keep:] if keep else []
