@@ -5,11 +5,18 @@
 A `ChatSession` on the model (default: the default model), greedy, 64-token replies; for each
 turn: TTFT, tokens prefilled and tokens in the conversation. Reports, over --runs fresh
 conversations, the median TTFT per turn and the ratio of the last turn's to the first's; the peer
-is the last turn sent to a new session that holds the same history (so it prefills all of it).
+is the last turn sent to a new session that holds the same history (so it prefills all of it;
+dense cache only). Each turn of the first conversation also prints the resident set and the
+reply's decode rate; a long one (`--turns 200 --runs 1 --kv-policy sink`) is the chat soak, whose
+summary compares them after a warm-up of WARMUP turns.
 """
 
 import argparse
 import statistics
+
+from soak import rss_mb
+
+WARMUP = 10
 
 QUESTIONS = [
     "Hi! My name is Tom and I live in Paris. I like to cook.",
@@ -35,7 +42,7 @@ def main():
 
     llm = tinyrt.load(args.model, threads=args.threads, kv_policy=args.kv_policy)
     ttft = [[] for _ in range(args.turns)]
-    full = []
+    full, rss, decode = [], [], []
     for run in range(args.runs):
         chat = tinyrt.ChatSession(llm, temperature=0, max_tokens=64)
         for i in range(args.turns):
@@ -44,8 +51,13 @@ def main():
             t = chat.last
             ttft[i].append(t.ttft_s)
             if run == 0:
+                rss.append(rss_mb())
+                decode.append(t.decode_tok_s)
                 print(f"turn {i + 1}: TTFT {t.ttft_s * 1000:6.1f} ms, prefilled {t.prompt_tokens:4d} "
-                      f"tokens, {llm.cache.length:5d} in the conversation", flush=True)
+                      f"tokens, {llm.cache.length:5d} in the cache, decode {t.decode_tok_s:6.1f} "
+                      f"tok/s, RSS {rss[-1]:6.1f} MB", flush=True)
+        if args.kv_policy != "dense":
+            continue
         again = tinyrt.ChatSession(llm, temperature=0, max_tokens=1)
         again.messages = chat.messages[:-2]
         for _ in again.send(chat.messages[-2]["content"]):
@@ -54,9 +66,15 @@ def main():
     med = [statistics.median(x) * 1000 for x in ttft]
     print("median TTFT per turn (ms): " + ", ".join(f"{m:.1f}" for m in med))
     print(f"turn {args.turns} / turn 1: {med[-1] / med[0]:.2f}")
-    whole = statistics.median(full) * 1000
-    print(f"turn {args.turns} prefilling the whole conversation again: {whole:.1f} ms "
-          f"({whole / med[0]:.2f} x turn 1)")
+    if full:
+        whole = statistics.median(full) * 1000
+        print(f"turn {args.turns} prefilling the whole conversation again: {whole:.1f} ms "
+              f"({whole / med[0]:.2f} x turn 1)")
+    if args.turns > 2 * WARMUP:
+        print(f"RSS at turn {WARMUP} {rss[WARMUP - 1]:.1f} MB, highest after {max(rss[WARMUP:]):.1f}, "
+              f"last {rss[-1]:.1f}; decode tok/s median of turns {WARMUP + 1}-{2 * WARMUP} "
+              f"{statistics.median(decode[WARMUP:2 * WARMUP]):.1f}, of the last {WARMUP} "
+              f"{statistics.median(decode[-WARMUP:]):.1f}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 
 import tinyrt
 from helpers import tiny_config, write_tiny_model
+from tinyrt import chat as chat_module
 from tinyrt.errors import CacheFullError, TinyrtError
 
 rng = np.random.default_rng()
@@ -160,6 +161,34 @@ def test_save_and_load(tiny, tmp_path):
     with pytest.raises(TinyrtError, match="cannot save"):
         chat.save(tmp_path / "no such dir" / "c.json")
     assert other.history[-2]["content"] == "two"            # a failed load changes nothing
+
+
+@pytest.mark.parametrize("name", ["", "  ", "a\0b", "~no_such_user_here/c.json", "/", "DIR",
+                                  "x" * 300, "/dev/zero", "FIFO", "BIG"])
+def test_save_and_load_odd_paths(tiny, tmp_path, name):
+    """Odd names for /save and /load: a clear error, nothing read without end, nothing but a
+    regular file replaced, nothing left."""
+    chat = tinyrt.ChatSession(tinyrt.LLM(tiny, kv_size=256), max_tokens=4, temperature=0)
+    list(chat.send("one"))
+    history = chat.history
+    if name == "DIR":
+        name = str(tmp_path)
+    elif name == "FIFO":                         # reading it would wait for a writer forever
+        name = str(tmp_path / "fifo")
+        os.mkfifo(name)
+    elif name == "BIG":                          # sparse: large, nothing on disk
+        name = str(tmp_path / "big.json")
+        with open(name, "wb") as f:
+            f.truncate(chat_module.MAX_SAVED_BYTES + 1)
+    with pytest.raises(TinyrtError) as e:
+        chat.load(name)
+    assert "\n" not in str(e.value)
+    if not name.endswith("big.json"):
+        with pytest.raises(TinyrtError) as e:
+            chat.save(name)
+        assert "\n" not in str(e.value)
+    assert chat.history == history
+    assert not list(tmp_path.glob("*.tmp")) and os.path.exists("/dev/zero")
 
 
 def test_a_model_without_a_chat_template(tiny, tmp_path):

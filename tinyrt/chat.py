@@ -11,8 +11,11 @@ a loaded conversation), the whole conversation is prefilled again: slower, never
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -28,6 +31,7 @@ PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assist
                   "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 PLAIN_STOP = "\nUser:"
 FORMAT = "tinyrt-chat"
+MAX_SAVED_BYTES = 64 << 20      # a saved conversation larger than this is not one of ours
 # the settings a saved conversation may carry (LLM.generation's options) and their types
 SETTINGS = {"max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
             "min_p": (int, float), "repeat_penalty": (int, float), "seed": int, "stop": list,
@@ -137,23 +141,32 @@ class ChatSession:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the conversation (system message, turns, settings) as JSON; returns the path.
-        Written to a temporary file, then renamed: an existing file is replaced whole or kept."""
-        path = Path(path).expanduser()
+        Written to a temporary file, then renamed: an existing file is replaced whole or kept
+        (only a regular file is replaced)."""
+        path = _path(path)
         data = {"format": FORMAT, "version": 1, "system": self.system, "messages": self.messages,
                 "settings": self.settings}
         tmp = path.with_name(path.name + ".tmp")
         try:
+            if path.exists() and not path.is_file():     # a directory, a FIFO, a device
+                raise OSError(errno.EEXIST, "it exists and is not a regular file")
             tmp.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             raise TinyrtError(f"cannot save the conversation to {path}: {e.strerror or e}") from None
         return path
 
     def load(self, path: str | os.PathLike) -> None:
         """Replace the conversation with one written by `save`; it is prefilled at the next turn."""
-        path = Path(path).expanduser()
+        path = _path(path)
         try:
+            info = path.stat()
+            if not stat.S_ISREG(info.st_mode):       # a directory, a FIFO, /dev/zero: never read
+                raise TinyrtError(f"cannot read {path}: not a regular file")
+            if info.st_size > MAX_SAVED_BYTES:
+                raise TinyrtError(f"{path} is not a saved conversation ({info.st_size:,} bytes)")
             data = json.loads(path.read_text(encoding="utf-8"))
         except OSError as e:
             raise TinyrtError(f"cannot read {path}: {e.strerror or e}") from None
@@ -178,3 +191,17 @@ class ChatSession:
         self.system = system
         self.settings.update(settings)
         self._invalidate()
+
+
+def _path(path: str | os.PathLike) -> Path:
+    """A file name from the user as a Path, ~ expanded; TinyrtError for one no file can have."""
+    text = os.fsdecode(path)
+    if not text.strip() or "\0" in text:
+        raise TinyrtError(f"not a file name: {text!r}")
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError as e:                  # ~user of no such user
+        raise TinyrtError(f"not a file name: {text!r} ({e})") from None
+    if not path.name:
+        raise TinyrtError(f"not a file name: {text!r}")
+    return path
