@@ -8,15 +8,13 @@ conversations, the median TTFT per turn and the ratio of the last turn's to the 
 is the last turn sent to a new session that holds the same history (so it prefills all of it;
 dense cache only). Each turn of the first conversation also prints the resident set and the
 reply's decode rate; a long one (`--turns 200 --runs 1 --kv-policy sink`) is the chat soak, whose
-summary compares them after a warm-up of WARMUP turns.
+summary compares them from the turn that filled the cache (the warm-up) to the end.
 """
 
 import argparse
 import statistics
 
 from soak import rss_mb
-
-WARMUP = 10
 
 QUESTIONS = [
     "Hi! My name is Tom and I live in Paris. I like to cook.",
@@ -42,7 +40,7 @@ def main():
 
     llm = tinyrt.load(args.model, threads=args.threads, kv_policy=args.kv_policy)
     ttft = [[] for _ in range(args.turns)]
-    full, rss, decode = [], [], []
+    full, rss, decode, held = [], [], [], []
     for run in range(args.runs):
         chat = tinyrt.ChatSession(llm, temperature=0, max_tokens=64)
         for i in range(args.turns):
@@ -53,6 +51,7 @@ def main():
             if run == 0:
                 rss.append(rss_mb())
                 decode.append(t.decode_tok_s)
+                held.append(llm.cache.length)
                 print(f"turn {i + 1}: TTFT {t.ttft_s * 1000:6.1f} ms, prefilled {t.prompt_tokens:4d} "
                       f"tokens, {llm.cache.length:5d} in the cache, decode {t.decode_tok_s:6.1f} "
                       f"tok/s, RSS {rss[-1]:6.1f} MB", flush=True)
@@ -70,11 +69,12 @@ def main():
         whole = statistics.median(full) * 1000
         print(f"turn {args.turns} prefilling the whole conversation again: {whole:.1f} ms "
               f"({whole / med[0]:.2f} x turn 1)")
-    if args.turns > 2 * WARMUP:
-        print(f"RSS at turn {WARMUP} {rss[WARMUP - 1]:.1f} MB, highest after {max(rss[WARMUP:]):.1f}, "
-              f"last {rss[-1]:.1f}; decode tok/s median of turns {WARMUP + 1}-{2 * WARMUP} "
-              f"{statistics.median(decode[WARMUP:2 * WARMUP]):.1f}, of the last {WARMUP} "
-              f"{statistics.median(decode[-WARMUP:]):.1f}")
+    warm = held.index(max(held)) + 1                # the turn that filled the cache
+    if args.turns >= warm + 20:
+        print(f"cache full from turn {warm}: RSS then {rss[warm - 1]:.1f} MB, highest after "
+              f"{max(rss[warm:]):.1f}, last {rss[-1]:.1f}; decode tok/s median of turns "
+              f"{warm + 1}-{warm + 10} {statistics.median(decode[warm:warm + 10]):.1f}, of the "
+              f"last 10 {statistics.median(decode[-10:]):.1f}")
 
 
 if __name__ == "__main__":

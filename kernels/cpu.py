@@ -106,8 +106,8 @@ def _repack_pairs(src, col0, dst):
                 for k in range(8):
                     code = (word >> np.uint32(4 * k)) & np.uint32(15)
                     o = col0 + 8 * c + (2 * k if k < 4 else 2 * k - 7)   # awq_layout.ORDER[k]
-                    k, j = o // simd.LANES, o % simd.LANES
-                    dst[k, r, j] = np.int32(np.uint32(dst[k, r, j]) | (code << shift))
+                    tile, j = o // simd.LANES, o % simd.LANES
+                    dst[tile, r, j] = np.int32(np.uint32(dst[tile, r, j]) | (code << shift))
 
 
 def repack(parts: list) -> Q4Linear:

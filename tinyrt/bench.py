@@ -19,7 +19,7 @@ def weight_bytes(model) -> int:
     def nbytes(w) -> int:
         if isinstance(w, np.ndarray):
             return w.nbytes
-        return sum(nbytes(part) for part in w)    # a NamedTuple of arrays
+        return sum(p.nbytes for p in w if isinstance(p, np.ndarray))   # a NamedTuple of arrays
 
     layers = sum(nbytes(getattr(L, f)) for L in model.layers
                  for f in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"))
