@@ -17,9 +17,11 @@ from numba.core import caching
 
 
 def guard() -> None:
-    """Make a damaged cache file a cache miss (idempotent)."""
-    cls = caching.IndexDataCacheFile
-    if getattr(cls, "_tinyrt_guarded", False):
+    """Make a damaged cache file a cache miss (idempotent). A Numba whose cache reads files
+    otherwise (these are its internals) is left as it is."""
+    cls = getattr(caching, "IndexDataCacheFile", None)
+    if cls is None or getattr(cls, "_tinyrt_guarded", False) or not all(
+            callable(getattr(cls, name, None)) for name in ("_load_index", "_load_data")):
         return
     load_index, load_data = cls._load_index, cls._load_data
 
