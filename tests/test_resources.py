@@ -36,3 +36,38 @@ def test_a_model_larger_than_free_memory_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda: None)       # unknown: no check
     llm = tinyrt.load(d, device="reference", quiet=True)
     assert np.isfinite(llm.model.backend.to_numpy(llm.model.forward([1, 2], llm.cache))).all()
+
+
+def test_a_vocabulary_of_a_billion_tokens_is_refused(tmp_path):
+    """A config.json and a GGUF tokenizer that claim 10**9 tokens: refused from the claim, under
+    an address-space limit that any allocation of that size would break."""
+    import json
+    import resource
+    import struct
+
+    from gguf_helpers import write_gguf
+    from helpers import CHATML, byte_level_tokenizer, random_weights, tiny_config
+    from tinyrt.converters.sources import open_source
+
+    cfg = tiny_config()
+    d = write_tiny_model(tmp_path / "m", cfg)
+    claimed = dict(json.loads((d / "config.json").read_text()), vocab_size=10**9)
+    (d / "config.json").write_text(json.dumps(claimed))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, cfg, random_weights(cfg), byte_level_tokenizer(300).to_str(), chat_template=CHATML)
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens")
+    assert struct.unpack_from("<IIQ", raw, at) == (9, 8, 320)           # array of 320 strings
+    struct.pack_into("<Q", raw, at + 8, 10**9)
+    path.write_bytes(bytes(raw))
+    with open("/proc/self/status") as f:
+        used = int(f.read().split("VmSize:")[1].split()[0]) << 10
+    limit = resource.getrlimit(resource.RLIMIT_AS)        # the table alone would take 384 GB
+    resource.setrlimit(resource.RLIMIT_AS, (used + (4 << 30), limit[1]))
+    try:
+        with pytest.raises(TinyrtError, match=r"the config needs \[1000000000, "):
+            tinyrt.load(d, device="reference", quiet=True)
+        with pytest.raises(TinyrtError, match="not a readable GGUF file"):
+            open_source(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
