@@ -23,14 +23,11 @@ import statistics
 import time
 from pathlib import Path
 
+from soak import rss_mb
+
 import numpy as np
 
 
-def rss_mb() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def stream(llm, text, policy, size, sinks, tokens, progress=None, skip=0):

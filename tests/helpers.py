@@ -104,3 +104,9 @@ def hf_logits(model, ids) -> np.ndarray:
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     """Frobenius-norm relative error of a against the reference b."""
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status ("VmRSS", "RssFile", "VmSize"), KiB."""
+    with open("/proc/self/status") as f:
+        return int(f.read().split(field + ":")[1].split()[0])

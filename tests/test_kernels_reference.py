@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import status_kib
 from tinyrt.kernels import reference as ref
 
 
@@ -88,18 +89,13 @@ def test_sliding_window():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        return int(f.read().split("VmRSS:")[1].split()[0])
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 def test_cache_buffers_cost_memory_only_where_written():
     """A KV-cache-sized buffer (30 layers x 3 heads x 4096 slots x 64, 94 MB) with one token
     written per layer and head costs a few pages per region, not a 2 MB huge page each."""
     buf = ref.ReferenceBackend().zeros((30, 3, 4096, 64))
     assert buf.shape == (30, 3, 4096, 64) and buf.dtype == np.float32 and not buf.any()
-    before = _rss_kib()
+    before = status_kib("VmRSS")
     buf[:, :, 0] = 1.0
-    assert _rss_kib() - before < 30 * 3 * 16          # at most 16 KiB per region written
+    assert status_kib("VmRSS") - before < 30 * 3 * 16          # at most 16 KiB per region written
     assert buf.sum() == 30 * 3 * 64

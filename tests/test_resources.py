@@ -10,7 +10,7 @@ from tinyrt.errors import TinyrtError
 from tinyrt.kernels import get_backend
 from tinyrt.kv_cache import make_cache
 
-from helpers import write_tiny_model
+from helpers import status_kib, write_tiny_model
 
 
 def test_available_memory_is_read():
@@ -60,8 +60,7 @@ def test_a_vocabulary_of_a_billion_tokens_is_refused(tmp_path):
     assert struct.unpack_from("<IIQ", raw, at) == (9, 8, 320)           # array of 320 strings
     struct.pack_into("<Q", raw, at + 8, 10**9)
     path.write_bytes(bytes(raw))
-    with open("/proc/self/status") as f:
-        used = int(f.read().split("VmSize:")[1].split()[0]) << 10
+    used = status_kib("VmSize") << 10
     limit = resource.getrlimit(resource.RLIMIT_AS)        # the table alone would take 384 GB
     resource.setrlimit(resource.RLIMIT_AS, (used + (4 << 30), limit[1]))
     try:

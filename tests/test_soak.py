@@ -6,6 +6,7 @@ fragmented its heap by then, and its RSS moves for reasons of its own."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +16,10 @@ from tinyrt.converters import convert
 SLACK_KIB = 2048          # allocator noise; a leak of one logits row (1.25 KiB) per token exceeds it
                           # in the generation (checked)
 
-RSS = """
-def rss_kib():
-    with open("/proc/self/status") as f:
-        return int(f.read().split("VmRSS:")[1].split()[0])
+RSS = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from helpers import status_kib
 """
 
 GENERATE = RSS + """
@@ -29,7 +30,7 @@ for r in llm.stream("hello", max_tokens=6000, temperature=1.0, seed=1, ignore_eo
     n += r.token is not None
     longest = max(longest, llm.cache.length)
     if n % 500 == 0:
-        rss[n] = rss_kib()
+        rss[n] = status_kib("VmRSS")
 print(json.dumps({"rss": rss, "n": n, "finish": r.finish_reason, "longest": longest}))
 """
 
@@ -43,7 +44,7 @@ for i in range(150):
         longest = max(longest, llm.cache.length)
     finishes.add(chat.last_finish)
     prompts.append(chat.last.prompt_tokens)
-    rss.append(rss_kib())
+    rss.append(status_kib("VmRSS"))
 text = sum(len(m["content"]) for m in chat.messages)
 print(json.dumps({"rss": rss, "prompts": prompts, "finishes": sorted(finishes), "longest": longest,
                   "messages": len(chat.messages), "text": text}))

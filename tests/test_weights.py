@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from helpers import status_kib
 from tinyrt.errors import ModelFormatError
 from tinyrt.models.weights import (SafetensorsFile, WeightStore, bf16_to_f32, release_pages,
                                   write_safetensors)
@@ -52,10 +53,10 @@ def test_released_pages_read_back(tmp_path):
 
 
 def _rss_file_kb() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("RssFile:"):
-            return int(line.split()[1])
-    pytest.skip("no RssFile in /proc/self/status")
+    try:
+        return status_kib("RssFile")
+    except IndexError:
+        pytest.skip("no RssFile in /proc/self/status")
 
 
 def test_release_pages_drops_one_tensor_from_the_resident_set(tmp_path):
