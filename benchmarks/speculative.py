@@ -1,10 +1,11 @@
 """Speculative decoding against the target alone, in one run (greedy, 2 threads by default).
 
     python benchmarks/speculative.py --target F16_DIR --draft AWQ_DIR [--tokens 128] [--runs 3]
-        [--layers 6 10]
+        [--layers 6 10] [--confidence 0.1 0.3]
 
 For each prompt (open chat, and a summarise-this-text prompt that a reply may quote), the
-decode speed of: the target alone; the target with the draft model; the target with prompt
+decode speed of: the target alone; the target with the draft model (at each draft confidence
+given: the probability of its whole draft below which the draft stops); the target with prompt
 lookup; and, for the draft (an AWQ model) as a target of its own, that model alone and with
 its own first N layers as the draft (`layers:N`). Runs alternate between configurations;
 figures are medians. Every speculative reply is checked token for token against its target's.
@@ -41,15 +42,23 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, nargs="*", default=[6, 10])
+    p.add_argument("--confidence", type=float, nargs="*", default=[],
+                   help="draft confidences to compare (default: the runtime's)")
     args = p.parse_args()
     import tinyrt
 
     def load(model, draft=None):
         return tinyrt.load(model, threads=args.threads, kv_size=2048, draft=draft, quiet=True)
 
-    configs = {"target": (load(args.target), None), "+ draft": (load(args.target, args.draft), "target"),
-               "+ lookup": (load(args.target, "lookup"), "target"),
-               "awq alone": (load(args.draft), None)}
+    configs = {"target": (load(args.target), None)}
+    for c in args.confidence or [None]:
+        llm = load(args.target, args.draft)
+        if c is not None:
+            llm.drafter.confidence = c
+        configs["+ draft" if c is None else f"+ draft {c:g}"] = (llm, "target")
+    configs["+ lookup"] = (load(args.target, "lookup"), "target")
+    if args.layers:
+        configs["awq alone"] = (load(args.draft), None)
     for n in args.layers:
         configs[f"awq + layers:{n}"] = (load(args.draft, f"layers:{n}"), "awq alone")
     prompts = {f"chat {i + 1}": q for i, q in enumerate(CHAT)}

@@ -5,7 +5,7 @@ packed, never as a dequantized copy. The AutoAWQ layout (see awq_layout) is repa
 into the pair-planar tiles of simd (all projections that share an input fused into one layer);
 scales stay float16 and zero points become bytes. A one-token GEMV rounds the activations to int16
 (one scale per block of at most X_BLOCK inputs, inside one quantization group) and sums codes times
-activations in integers, 32 pairs per instruction (simd.pair_dot), then per block and output
+activations in integers, 32 pairs per instruction (simd.tile_dot), then per block and output
 
     y[o] += s[g, o] * (sx[b] * sum_{i in b} x_q[i] q[i, o]  -  z[g, o] * sx[b] * sum_{i in b} x_q[i])
 
@@ -185,29 +185,16 @@ def quantize_pairs(x, block, xp, sx, xsum):
 @njit(fastmath=True, cache=True)
 def _q4_tiles(xp, sx, xsum, w, s, z, y, k0, k1):
     """Tiles k0 .. k1-1 of the GEMV of a 4-bit layer (pair-planar tiles) for T tokens'
-    activations xp, sx, xsum [T, ...] (from quantize_pairs) into y [T, out]. Per tile, token and
-    activation block b (in quantization group gi), for each output o of the tile:
-        y[t, o] += s[gi, o] * (sx[t, b] * (integer dot of codes and x_q)  -  z[gi, o] * xsum[t, b])
-    A tile stays in the L1 cache from one token to the next; each token's outputs are the same
+    activations xp, sx, xsum [T, ...] (from quantize_pairs) into y [T, out] (simd.tile_dot). A
+    tile stays in the L1 cache from one token to the next; each token's outputs are the same
     sums in the same order whatever T."""
-    T, n_blocks = sx.shape
-    rows = w.shape[1] // n_blocks                   # word rows per block
-    per_group = n_blocks // s.shape[1]
-    n_out = y.shape[1]
-    dots = np.empty(simd.LANES, np.int32)
+    T, n_out = y.shape
     out = np.empty(simd.LANES, np.float32)
     for k in range(k0, k1):
         c0 = k * simd.LANES
         n = min(simd.LANES, n_out - c0)
         for t in range(T):
-            out[:] = 0
-            for b in range(n_blocks):
-                gi = b // per_group
-                simd.pair_dot(w[k], b * rows, b * rows + rows, xp[t], dots)
-                f, xs = sx[t, b], xsum[t, b]
-                for j in range(simd.LANES):
-                    out[j] += simd.float_from_half(s[k, gi, j]) * (
-                        f * np.float32(dots[j]) - np.float32(z[k, gi, j]) * xs)
+            simd.tile_dot(w, k, xp, sx, xsum, s, z, t, out)
             y[t, c0:c0 + n] = out[:n]
 
 
@@ -257,32 +244,28 @@ def gemv_rows(x, w, s, y, nchunk):
     times their scales s [out]; s empty: none), read from memory once: four rows at a time, used
     for every token while they sit in L1 (BLAS's GEMM repacks the weights first, which costs two
     passes over them at T = 2..16: twice the time of T = 1). A row's dot with a token is the same
-    loop whatever T, so each token's outputs are those it gets alone, to the bit."""
+    sums in the same order whatever T and wherever the row falls (simd.rows_dot), so each token's
+    outputs are those it gets alone, to the bit."""
     T, rows, n = x.shape[0], w.shape[0], w.shape[1]
+    n16 = n // simd.LANES * simd.LANES
     scaled = s.shape[0] > 0
     step = ((rows + nchunk - 1) // nchunk + 3) // 4 * 4
     for ch in prange(nchunk):
         r, end = ch * step, min(rows, ch * step + step)
-        while r + 4 <= end:
-            w0, w1, w2, w3 = w[r], w[r + 1], w[r + 2], w[r + 3]
+        dots = np.empty(4, np.float32)
+        while r < end:
+            R = 4 if r + 4 <= end else 1
             for t in range(T):
-                xt = x[t]
-                a0 = a1 = a2 = a3 = np.float32(0)
-                for i in range(n):
-                    a0 += xt[i] * np.float32(w0[i])
-                    a1 += xt[i] * np.float32(w1[i])
-                    a2 += xt[i] * np.float32(w2[i])
-                    a3 += xt[i] * np.float32(w3[i])
-                if scaled:
-                    a0, a1, a2, a3 = a0 * s[r], a1 * s[r + 1], a2 * s[r + 2], a3 * s[r + 3]
-                y[t, r], y[t, r + 1], y[t, r + 2], y[t, r + 3] = a0, a1, a2, a3
-            r += 4
-        for r in range(r, end):                    # the last rows of the last chunk
-            for t in range(T):
-                acc = np.float32(0)
-                for i in range(n):
-                    acc += x[t, i] * np.float32(w[r, i])
-                y[t, r] = acc * s[r] if scaled else acc
+                if R == 4:
+                    simd.rows_dot4(w, r, x, t, dots)
+                else:
+                    simd.rows_dot1(w, r, x, t, dots)
+                for j in range(R):
+                    acc = dots[j]
+                    for i in range(n16, n):
+                        acc += x[t, i] * np.float32(w[r + j, i])
+                    y[t, r + j] = acc * s[r + j] if scaled else acc
+            r += R
 
 
 @njit(fastmath=True, cache=True)

@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 LANES = 16          # outputs per vector: int32 lanes of a 512-bit register (LLVM splits if narrower)
-PREFETCH_BYTES = 2048   # how far ahead of its loads pair_dot asks for memory (best of 0.5-8 KiB)
+PREFETCH_BYTES = 2048   # how far ahead of its loads tile_dot asks for memory (best of 0.5-8 KiB)
 PAIR_MASK = 0x000F000F
 HALF_MAX = 65504.0     # the largest finite float16
 
@@ -35,71 +35,191 @@ def pair_shift(t):
     return 4 * (t // 2) + 16 * (t % 2)
 
 
+def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
+    """IR: the int32 vector [LANES] of sums over word rows r in [r0, r1) and m = 0..3 of
+    lo(w[r, j] >> 4m) * lo(xp[4r + m]) + hi(w[r, j] >> 4m) * hi(xp[4r + m]), w_ptr pointing at
+    the tile's row 0 (int32 [rows, LANES]), xp_ptr at the token's pairs (int32 [in/2]). Each row's
+    load asks for the memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the
+    hardware's prefetch alone leaves it waiting on memory (measured: 0.7x the time with it)."""
+    intp = context.get_value_type(types.intp)
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    vec = ir.VectorType(i32, LANES)                      # 16 x i32: one lane per output
+    halves = ir.VectorType(ir.IntType(16), 2 * LANES)    # the same bits as 32 x i16
+    wide = ir.VectorType(i32, 2 * LANES)
+    even = ir.Constant(vec, list(range(0, 2 * LANES, 2)))
+    odd = ir.Constant(vec, list(range(1, 2 * LANES, 2)))
+    mask = ir.Constant(vec, [PAIR_MASK] * LANES)
+    splat0 = ir.Constant(vec, [0] * LANES)
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+        "llvm.prefetch.p0i8")
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
+    for acc in accs:
+        builder.store(ir.Constant(vec, None), acc)
+
+    def const(v):
+        return ir.Constant(intp, v)
+
+    with cgutils.for_range(builder, r1, start=r0) as row:
+        r = row.index
+        ptr = builder.gep(w_ptr, [builder.mul(r, const(LANES))])
+        words = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+        # (read, to all cache levels, data): a hint, which never faults past the array
+        builder.call(prefetch, [builder.gep(builder.bitcast(ptr, i8.as_pointer()),
+                                            [const(PREFETCH_BYTES)]),
+                                ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        for m, acc in enumerate(accs):
+            pair = builder.load(builder.gep(xp_ptr, [builder.add(builder.mul(r, const(4)),
+                                                                 const(m))]))
+            x = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(vec, ir.Undefined), pair, ir.Constant(i32, 0)),
+                ir.Constant(vec, ir.Undefined), splat0)
+            codes = words if m == 0 else builder.lshr(words, ir.Constant(vec, [4 * m] * LANES))
+            codes = builder.and_(codes, mask)
+            prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
+                               builder.sext(builder.bitcast(x, halves), wide))
+            undef = ir.Constant(wide, ir.Undefined)
+            total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
+            builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
+    a = [builder.load(acc) for acc in accs]
+    return builder.add(builder.add(a[0], a[1]), builder.add(a[2], a[3]))
+
+
 @intrinsic
-def pair_dot(typingctx, w, r0, r1, xp, dst):
-    """dst[j] (int32) = sum over word rows r in [r0, r1) and m = 0..3 of
-    lo(w[r, j] >> 4m) * lo(xp[4r + m]) + hi(w[r, j] >> 4m) * hi(xp[4r + m]), j < LANES.
-    lo/hi: the 16-bit halves, codes masked to 4 bits, activations signed. w int32 [in/8, LANES]
-    (one tile of the pair-planar layout, C-contiguous), xp int32 [in/2] (pairs of int16
-    activations), dst int32 [>= LANES]. Each row's load asks for the memory PREFETCH_BYTES
-    ahead: a GEMV streams through its tiles, and the hardware's prefetch alone leaves it waiting
-    on memory (measured: 0.7x the time with it)."""
-    sig = types.void(w, r0, r1, xp, dst)
+def tile_dot(typingctx, w, k, xp, sx, xsum, s, z, t, out):
+    """out[j] (float32, j < LANES) = output LANES k + j of a 4-bit layer for token t: the sum
+    over activation blocks b (in quantization group gi) of
+        s[k, gi, j] * (sx[t, b] * (integer dot of the block's codes and x_q)  -  z[k, gi, j] * xsum[t, b])
+    w int32 [tiles, in/8, LANES] (pair-planar tiles), s uint16 (float16 bits) and z uint8
+    [tiles, in/g, LANES]; xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs).
+    The integer dot is pairwise multiply-adds of 16-bit codes and activations, 32 per
+    instruction (x86 pmaddwd or vpdpwssd, Arm smull + addp); the per-block scaling is vector
+    arithmetic on the LANES outputs, which stay in a register from the first block to the last."""
+    sig = types.void(w, k, xp, sx, xsum, s, z, t, out)
 
     def codegen(context, builder, signature, args):
-        w_ty, r0_ty, r1_ty, xp_ty, dst_ty = signature.args
+        w_ty, k_ty, xp_ty, sx_ty, xsum_ty, s_ty, z_ty, t_ty, out_ty = signature.args
         intp = context.get_value_type(types.intp)
-        r0v, r1v = (context.cast(builder, v, t, types.intp)
-                    for v, t in zip(args[1:3], (r0_ty, r1_ty)))
-        w_arr = context.make_array(w_ty)(context, builder, args[0])
-        xp_arr = context.make_array(xp_ty)(context, builder, args[3])
-        dst_arr = context.make_array(dst_ty)(context, builder, args[4])
-
-        i8, i32 = ir.IntType(8), ir.IntType(32)
-        vec = ir.VectorType(i32, LANES)                      # 16 x i32: one lane per output
-        halves = ir.VectorType(ir.IntType(16), 2 * LANES)    # the same bits as 32 x i16
-        wide = ir.VectorType(i32, 2 * LANES)
-        even = ir.Constant(vec, list(range(0, 2 * LANES, 2)))
-        odd = ir.Constant(vec, list(range(1, 2 * LANES, 2)))
-        mask = ir.Constant(vec, [PAIR_MASK] * LANES)
-        splat0 = ir.Constant(vec, [0] * LANES)
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-            "llvm.prefetch.p0i8")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
+        kv, tv = (context.cast(builder, v, ty, types.intp)
+                  for v, ty in ((args[1], k_ty), (args[7], t_ty)))
+        f32 = ir.FloatType()
+        fvec = ir.VectorType(f32, LANES)
 
         def const(v):
             return ir.Constant(intp, v)
 
-        zero = const(0)
-        with cgutils.for_range(builder, r1v, start=r0v) as row:
-            r = row.index
-            ptr = cgutils.get_item_pointer(context, builder, w_ty, w_arr, [r, zero])
-            words = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
-            # (read, to all cache levels, data): a hint, which never faults past the array
-            builder.call(prefetch, [builder.gep(builder.bitcast(ptr, i8.as_pointer()),
-                                                [const(PREFETCH_BYTES)]),
-                                    ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            for m, acc in enumerate(accs):
-                pair = builder.load(cgutils.get_item_pointer(
-                    context, builder, xp_ty, xp_arr, [builder.add(builder.mul(r, const(4)), const(m))]))
-                x = builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(vec, ir.Undefined), pair, ir.Constant(i32, 0)),
-                    ir.Constant(vec, ir.Undefined), splat0)
-                codes = words if m == 0 else builder.lshr(words, ir.Constant(vec, [4 * m] * LANES))
-                codes = builder.and_(codes, mask)
-                prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
-                                   builder.sext(builder.bitcast(x, halves), wide))
-                undef = ir.Constant(wide, ir.Undefined)
-                total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
-                builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
-        a = [builder.load(acc) for acc in accs]
-        out = builder.add(builder.add(a[0], a[1]), builder.add(a[2], a[3]))
-        ptr = cgutils.get_item_pointer(context, builder, dst_ty, dst_arr, [zero])
-        builder.store(out, builder.bitcast(ptr, vec.as_pointer()), align=4)
+        def pointer(ty, arr, *index):
+            a = context.make_array(ty)(context, builder, arr)
+            return cgutils.get_item_pointer(context, builder, ty, a, list(index))
+
+        def splat(x):
+            one = builder.insert_element(ir.Constant(fvec, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(one, ir.Constant(fvec, ir.Undefined),
+                                          ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+        w_arr = context.make_array(w_ty)(context, builder, args[0])
+        s_arr = context.make_array(s_ty)(context, builder, args[5])
+        sx_arr = context.make_array(sx_ty)(context, builder, args[3])
+        n_rows = builder.extract_value(w_arr.shape, 1)
+        n_groups = builder.extract_value(s_arr.shape, 1)
+        n_blocks = builder.extract_value(sx_arr.shape, 1)
+        rows = builder.udiv(n_rows, n_blocks)                   # word rows per block
+        per_group = builder.udiv(n_blocks, n_groups)
+        w_ptr = pointer(w_ty, args[0], kv, const(0), const(0))
+        xp_ptr = pointer(xp_ty, args[2], tv, const(0))
+        total = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
+        fast = ["fast"]
+        with cgutils.for_range(builder, n_blocks) as loop:
+            b = loop.index
+            r0 = builder.mul(b, rows)
+            dots = _pair_sums(context, builder, w_ptr, r0, builder.add(r0, rows), xp_ptr)
+            gi = builder.udiv(b, per_group)
+            scales = builder.load(builder.bitcast(pointer(s_ty, args[5], kv, gi, const(0)),
+                                                  ir.VectorType(ir.HalfType(), LANES).as_pointer()),
+                                  align=2)
+            zeros = builder.load(builder.bitcast(pointer(z_ty, args[6], kv, gi, const(0)),
+                                                 ir.VectorType(ir.IntType(8), LANES).as_pointer()),
+                                 align=1)
+            f = splat(builder.load(pointer(sx_ty, args[3], tv, b)))
+            xs = splat(builder.load(pointer(xsum_ty, args[4], tv, b)))
+            part = builder.fsub(builder.fmul(f, builder.sitofp(dots, fvec), flags=fast),
+                                builder.fmul(builder.uitofp(zeros, fvec), xs, flags=fast), flags=fast)
+            part = builder.fmul(builder.fpext(scales, fvec), part, flags=fast)
+            builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
+        out_ptr = pointer(out_ty, args[8], const(0))
+        builder.store(builder.load(total), builder.bitcast(out_ptr, fvec.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _rows_dot(R: int):
+    """The intrinsic rows_dot{R}(w, r, x, t, dst): dst[j] = sum over i < n of x[t, i] * w[r + j, i]
+    in float32 for the R rows r .. r+R-1 of w [out, in] (float32, or int8 taken as its values),
+    x float32 [T, in], n = in rounded down to a multiple of LANES (the caller adds the rest).
+    Each row has a vector accumulator of LANES floats, summed at the end (llvm's reduction), so
+    a row's sum is the same whichever R computes it. Each load asks for the memory R rows on:
+    the next call's rows, which a GEMV reads next."""
+
+    @intrinsic
+    def rows_dot(typingctx, w, r, x, t, dst):
+        sig = types.void(w, r, x, t, dst)
+
+        def codegen(context, builder, signature, args):
+            w_ty, r_ty, x_ty, t_ty, dst_ty = signature.args
+            intp = context.get_value_type(types.intp)
+            rv, tv = (context.cast(builder, v, ty, types.intp)
+                      for v, ty in ((args[1], r_ty), (args[3], t_ty)))
+            w_arr = context.make_array(w_ty)(context, builder, args[0])
+            n = builder.extract_value(w_arr.shape, 1)
+            n = builder.mul(builder.udiv(n, ir.Constant(intp, LANES)), ir.Constant(intp, LANES))
+            f32, i8, i32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
+            vec = ir.VectorType(f32, LANES)
+            is_int8 = w_ty.dtype == types.int8
+            element = i8 if is_int8 else f32
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+                "llvm.prefetch.p0i8")
+            rows = [_row_pointer(context, builder, w_ty, args[0],
+                                 builder.add(rv, ir.Constant(intp, j))) for j in range(R)]
+            ahead = builder.mul(n, ir.Constant(intp, R * (1 if is_int8 else 4)))   # R rows, bytes
+            x_row = _row_pointer(context, builder, x_ty, args[2], tv)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(R)]
+            zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
+            with cgutils.for_range_slice(builder, zero, n, step) as (d, _):
+                xv = builder.load(builder.bitcast(builder.gep(x_row, [d]), vec.as_pointer()),
+                                  align=4)
+                for row, acc in zip(rows, accs):
+                    ptr = builder.gep(row, [d])
+                    wv = builder.load(builder.bitcast(ptr, ir.VectorType(element, LANES)
+                                                      .as_pointer()), align=1 if is_int8 else 4)
+                    if is_int8:
+                        wv = builder.sitofp(wv, vec)
+                    builder.call(prefetch, [builder.gep(builder.bitcast(ptr, i8.as_pointer()),
+                                                        [ahead]),
+                                            ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                            ir.Constant(i32, 1)])
+                    builder.store(builder.fadd(builder.load(acc),
+                                               builder.fmul(xv, wv, flags=["fast"]),
+                                               flags=["fast"]), acc)
+            reduce = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(f32, [f32, vec]),
+                f"llvm.vector.reduce.fadd.v{LANES}f32")
+            dst_arr = context.make_array(dst_ty)(context, builder, args[4])
+            for j, acc in enumerate(accs):
+                total = builder.call(reduce, [ir.Constant(f32, 0), builder.load(acc)],
+                                     fastmath=("fast",))
+                builder.store(total, cgutils.get_item_pointer(context, builder, dst_ty, dst_arr,
+                                                              [ir.Constant(intp, j)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return rows_dot
+
+
+rows_dot4 = _rows_dot(4)
+rows_dot1 = _rows_dot(1)
 
 
 @intrinsic

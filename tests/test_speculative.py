@@ -12,7 +12,7 @@ from helpers import random_weights, tiny_config, write_tiny_model
 from tinyrt.errors import TinyrtError
 from tinyrt.generate import Generation
 from tinyrt.sampling import Sampler, SamplingParams
-from tinyrt.speculative import LookupDrafter, SpeculativeGeneration, accept
+from tinyrt.speculative import LookupDrafter, ModelDrafter, SpeculativeGeneration, accept
 
 rng = np.random.default_rng()
 ALPHA = 1e-3          # the false-alarm rate of every chi-square test here
@@ -125,8 +125,11 @@ def plain(llm, ids, n, **sampling):
     return list(g.tokens)
 
 
-def speculative(llm, ids, n, gamma, adapt=False, **sampling):
+def speculative(llm, ids, n, gamma, adapt=False, confidence=0.0, **sampling):
+    """Drafts of exactly `gamma` tokens (a model drafter's confidence 0: it never stops sooner)."""
     llm.cache.reset()
+    if isinstance(llm.drafter, ModelDrafter):
+        llm.drafter.confidence = confidence
     g = SpeculativeGeneration(llm.model, llm.cache, llm.tokenizer, ids,
                               Sampler(SamplingParams(**sampling)), drafter=llm.drafter,
                               gamma=gamma, max_gamma=max(gamma, 8), adapt=adapt, max_tokens=n,
@@ -151,6 +154,30 @@ def test_greedy_output_is_the_targets_for_every_gamma(models, device, draft):
             assert 0 < s.accepted < s.drafted        # both branches of the rule ran
     got, s = speculative(llm, ids, 60, 4, adapt=True, temperature=0)
     assert got == want and 1 <= s.gamma <= 8
+    got, s = speculative(llm, ids, 60, 12, adapt=True, confidence=0.3, temperature=0)
+    assert got == want
+
+
+def test_a_draft_model_stops_where_it_is_unsure(models):
+    """A draft ends at the token where the product of the draft's probabilities falls below
+    its confidence; the target then takes what it ran of the draft back in step."""
+    llm = tinyrt.LLM(models["target"], device="reference", kv_size=256, draft=models["near"])
+    d = llm.drafter
+    d.start([5, 6, 7], 0)
+    probs = None
+
+    def choose(logits, drafts):
+        return 20 + len(drafts), np.zeros(4), next(probs)
+
+    for confidence, n in [(0.42, 3), (0.0, 4), (1.0, 1)]:
+        probs = iter([0.9, 0.5, 0.9, 0.9])
+        d.confidence = confidence
+        before = d.cache.next_pos
+        drafts, q = d.propose(8, 4, choose)
+        assert drafts == [20, 21, 22, 23][:n] and len(q) == n       # 0.9 * 0.5 * 0.9 < 0.42
+        assert d.cache.next_pos == before + n                      # 8 and the drafts run but the last
+        d.commit([])
+        assert d.cache.next_pos == before + 1 and d.pending == []
 
 
 def test_verification_rows_are_the_decode_steps_logits(models):

@@ -12,6 +12,11 @@ Drafters:
   occurrence of the context's last n-gram (replies that quote their input);
 - a model's first layers with its final norm and head (`first_layers`), a derived draft.
 
+How many tokens a draft proposes: a draft model stops when the probability it gives its whole
+draft (the product of its tokens' probabilities) falls below `DRAFT_CONFIDENCE`, or at the bound
+(`--draft-tokens`): a token it is unsure of is likely rejected, and costs a draft step all the
+same. Prompt lookup has no probabilities: its bound adapts to what the target kept.
+
 Both caches roll back what the target rejects; a sink cache keeps gamma + 1 slots of slack for
 that (kv_cache.SinkCache). The h2o policy cannot roll back an eviction, so it takes no draft.
 """
@@ -29,10 +34,12 @@ from tinyrt.errors import TinyrtError
 
 from .generate import Generation
 
-MAX_GAMMA = 8           # the default bound of the drafts' length (--draft-tokens)
+MAX_GAMMA = 12          # the default bound of the drafts' length (--draft-tokens)
+DRAFT_CONFIDENCE = 0.3  # a draft model stops below this probability of its whole draft
 VOCAB_MARGIN = 128      # vocabularies may differ in size by this much (padding rows)
 
-Choose = Callable[[np.ndarray, Sequence[int]], "tuple[int, np.ndarray]"]
+# logits, drafts so far -> (token, the distribution it was drawn from, the draft's probability of it)
+Choose = Callable[[np.ndarray, Sequence[int]], "tuple[int, np.ndarray, float]"]
 
 
 def check_compatible(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
@@ -66,10 +73,13 @@ def first_layers(model, n: int):
 
 class ModelDrafter:
     """A draft model with its own KV cache, kept in step with the target's: what it has seen is
-    the target cache's tokens (`pending` the ones it has not run yet)."""
+    the target cache's tokens (`pending` the ones it has not run yet). It ends a draft once the
+    product of its tokens' probabilities is below `confidence` (0: never)."""
 
-    def __init__(self, model, cache, name: str = "model"):
-        self.model, self.cache, self.name = model, cache, name
+    adaptive = False       # (it sets its drafts' length itself)
+
+    def __init__(self, model, cache, name: str = "model", confidence: float = DRAFT_CONFIDENCE):
+        self.model, self.cache, self.name, self.confidence = model, cache, name, confidence
         self.pending: list[int] = []
         self.synced: int | None = None     # the target cache's next_pos the draft agrees with
         self._fed_drafts = 0
@@ -87,21 +97,24 @@ class ModelDrafter:
         self.synced = None
 
     def propose(self, token: int, gamma: int, choose: Choose) -> tuple[list[int], np.ndarray]:
-        """gamma tokens to follow `token` (the target's last, not in its cache yet), and the
-        distributions they were drawn from [gamma, V]."""
+        """At most gamma tokens to follow `token` (the target's last, not in its cache yet), and
+        the distributions they were drawn from [n, V]."""
         if gamma == 0:                         # (the target takes `token` alone)
             self.pending.append(token)
             return [], np.zeros((0, 0))
         feed, self.pending = self.pending + [token], []
-        drafts, q = [], []
+        drafts, q, sure = [], [], 1.0
         for j in range(gamma):
             if j:
                 feed = [drafts[-1]]
             logits = self.model.backend.to_numpy(self.model.forward(feed, self.cache))[-1]
-            x, dist = choose(logits, drafts)
+            x, dist, prob = choose(logits, drafts)
             drafts.append(x)
             q.append(dist)
-        self._fed_drafts = gamma - 1           # the last draft is not run
+            sure *= prob
+            if sure < self.confidence:
+                break
+        self._fed_drafts = len(drafts) - 1     # the last draft is not run
         return drafts, np.array(q)
 
     def commit(self, accepted: Sequence[int]) -> None:
@@ -133,6 +146,7 @@ class LookupDrafter:
     it. The context is the prompt and the reply so far (its last `window` tokens)."""
 
     name = "lookup"
+    adaptive = True        # (its bound follows what the target kept)
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1, window: int = 4096):
         self.ngram, self.min_ngram, self.window = ngram, min_ngram, window
@@ -197,7 +211,7 @@ class SpecStats:
     target_steps: int = 0
     drafted: int = 0
     accepted: int = 0
-    gamma: int = 0                # the drafts' length at the end (it adapts)
+    gamma: int = 0                # the bound of the drafts' length at the end (it may adapt)
 
     @property
     def accept_rate(self) -> float:
@@ -215,9 +229,9 @@ class SpecStats:
 
 
 class SpeculativeGeneration(Generation):
-    """A `Generation` whose decode steps draft and verify. `gamma` drafts per step to start
-    with, adapting within [1, max_gamma]: one more after a step that kept all, one fewer after
-    one that kept less than half."""
+    """A `Generation` whose decode steps draft and verify, at most `gamma` drafts per step. For
+    a drafter without a rule of its own (`adaptive`), the bound adapts within [1, max_gamma]:
+    one more after a step that kept all, one fewer after one that kept less than half."""
 
     def __init__(self, *args, drafter, gamma: int = 4, max_gamma: int = MAX_GAMMA,
                  adapt: bool = True, **kwargs):
@@ -263,7 +277,10 @@ class SpeculativeGeneration(Generation):
                     if len(logits) < V:            # a draft vocabulary a few ids smaller
                         logits = np.concatenate([logits, np.full(V - len(logits), -np.inf)])
                     d = sampler.distribution(logits[:V], history + drafts if keep else ())
-                    return sampler.draw(d), d
+                    x = sampler.draw(d)
+                    if sampler.params.temperature == 0:    # (d is one-hot: the model's own)
+                        return x, d, 1.0 / np.exp(np.float64(logits[:V]) - logits[x]).sum()
+                    return x, d, d[x]
 
                 drafts, q = self.drafter.propose(tok, gamma, choose)
                 verify = time.perf_counter()
@@ -284,7 +301,7 @@ class SpeculativeGeneration(Generation):
                 s.target_steps += 1
                 s.drafted += len(drafts)
                 s.accepted += k
-                if self.adapt and drafts:
+                if self.adapt and self.drafter.adaptive and drafts:
                     if k == len(drafts) == self.gamma:
                         self.gamma = min(self.gamma + 1, self.max_gamma)
                     elif k < len(drafts) // 2:
