@@ -12,9 +12,8 @@ activations in integers, 32 pairs per instruction (simd.tile_dot), then per bloc
 One token runs each decoder layer as one fused kernel call (decode_layer); GEMVs and decode
 attention split their work among threads. A few tokens (up to SMALL_TOKENS: a draft's
 verification) run the same GEMVs with each weight read from memory once for all of them, and
-decode attention per token: each token's result is what a one-token call of the same kernels
-gives it, to the bit (a float model's decode step makes those calls; a 4-bit model's is
-decode_layer, compiled apart, whose last bits may differ).
+decode attention per token (a 4-bit model's through decode_layer too): each token's result is
+what a one-token call of the same kernels gives it, to the bit.
 
 Prompts (more than SMALL_TOKENS tokens) dequantize a tile of a layer's columns at a time into a
 scratch buffer and call BLAS through NumPy per tile; prompt attention is blocked BLAS matmuls
@@ -195,7 +194,8 @@ def _q4_tiles(xp, sx, xsum, w, s, z, y, k0, k1):
         n = min(simd.LANES, n_out - c0)
         for t in range(T):
             simd.tile_dot(w, k, xp, sx, xsum, s, z, t, out)
-            y[t, c0:c0 + n] = out[:n]
+            for j in range(n):
+                y[t, c0 + j] = out[j]
 
 
 @njit(parallel=_prange_only(), cache=True)
@@ -579,31 +579,31 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, score=None, bloc
 def decode_layer(x, in_norm, post_norm, eps,
                  qkv_w, qkv_s, qkv_z, o_w, o_s, o_z, gu_w, gu_s, gu_z, d_w, d_s, d_z,
                  k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
-    """One token x [H] through one decoder layer of 4-bit linears, in place; its K/V go to
-    `slots` [G, 1] of the cache buffers k_buf, v_buf [G, S, D] (k_pos [G, S] already holds its
-    position `pos`; score as for attention_decode). The
-    same ops as the decoder (models.llama) runs one by one, in a single call, so the costs of a
-    call from Python are paid once per layer."""
+    """A few tokens x [T, H] (a decode step, a draft's verification) through one decoder layer
+    of 4-bit linears, in place; their K/V go to `slots` [G, T] of the cache buffers k_buf,
+    v_buf [G, S, D] (k_pos [G, S] already holds their positions `pos` [T]; score as for
+    attention_decode). The same ops as the decoder (models.llama) runs one by one, in a single
+    call, so the costs of a call from Python are paid once per layer; each token's result is
+    the one it gets alone, to the bit."""
+    T, H = x.shape
     G, D = k_buf.shape[0], k_buf.shape[2]
     Qd, Gd = n_heads * D, G * D
-    h = rmsnorm(x.reshape(1, -1), in_norm, eps)
-    qkv = np.empty(Qd + 2 * Gd, np.float32)
-    q4_gemv(h, qkv_w, qkv_s, qkv_z, qkv.reshape(1, -1), threads)
-    q = rope(qkv[:Qd].reshape(1, n_heads, D), cos, sin)[0]
-    k = rope(qkv[Qd:Qd + Gd].reshape(1, G, D), cos, sin)[0]
-    store_kv(k_buf, v_buf, slots, k.reshape(1, G, D), qkv[Qd + Gd:].reshape(1, G, D))
-    a = attention_decode(q.reshape(1, n_heads, D), k_buf, v_buf, np.full(1, pos), k_pos, scale,
-                         window, threads, score)
-    y = np.empty(x.shape[0], np.float32)
-    q4_gemv(a.reshape(1, -1), o_w, o_s, o_z, y.reshape(1, -1), threads)
+    qkv = np.empty((T, Qd + 2 * Gd), np.float32)
+    q4_gemv(rmsnorm(x, in_norm, eps), qkv_w, qkv_s, qkv_z, qkv, threads)
+    q = rope(np.ascontiguousarray(qkv[:, :Qd]).reshape(T, n_heads, D), cos, sin)
+    k = rope(np.ascontiguousarray(qkv[:, Qd:Qd + Gd]).reshape(T, G, D), cos, sin)
+    store_kv(k_buf, v_buf, slots, k, np.ascontiguousarray(qkv[:, Qd + Gd:]).reshape(T, G, D))
+    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads, score)
+    y = np.empty((T, H), np.float32)
+    q4_gemv(a.reshape(T, Qd), o_w, o_s, o_z, y, threads)
     x += y
-    h = rmsnorm(x.reshape(1, -1), post_norm, eps)
     n_inner = 8 * d_w.shape[1]
-    gu = np.empty(2 * n_inner, np.float32)
-    q4_gemv(h, gu_w, gu_s, gu_z, gu.reshape(1, -1), threads)
-    act = np.empty(n_inner, np.float32)
-    _swiglu_row(gu, act)
-    q4_gemv(act.reshape(1, -1), d_w, d_s, d_z, y.reshape(1, -1), threads)
+    gu = np.empty((T, 2 * n_inner), np.float32)
+    q4_gemv(rmsnorm(x, post_norm, eps), gu_w, gu_s, gu_z, gu, threads)
+    act = np.empty((T, n_inner), np.float32)
+    for t in range(T):
+        _swiglu_row(gu[t], act[t])
+    q4_gemv(act, d_w, d_s, d_z, y, threads)
     x += y
 
 
@@ -685,20 +685,21 @@ class CpuBackend(reference.ReferenceBackend):
             q4_gemv(x, w.w, w.s, w.z, y, self.threads)
         return y
 
-    def fused_decode(self, layer) -> bool:
-        return all(isinstance(w, Q4Linear) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    def fused_decode(self, layer, tokens: int) -> bool:
+        return tokens <= SMALL_TOKENS and all(
+            isinstance(w, Q4Linear) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def decode_layer(self, x, layer, k_buf, v_buf, slots, pos, k_pos, score, cos, sin, *, eps,
                      n_heads, scale, window=None):
-        """One token x [1, H] through a decoder layer (see the kernel decode_layer)."""
-        x = np.array(x, np.float32).reshape(-1)
+        """A few tokens x [T, H] through a decoder layer (see the kernel decode_layer)."""
+        x = np.array(x, np.float32)
         lins = []
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
             lins += [w.w, w.s, w.z]
         decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, _bits(k_buf),
-                     _bits(v_buf), slots, pos, k_pos, _scores(score), cos, sin, n_heads,
-                     np.float32(scale), window or 0, self.threads)
-        return x[None]
+                     _bits(v_buf), slots, np.ascontiguousarray(pos, np.int64), k_pos,
+                     _scores(score), cos, sin, n_heads, np.float32(scale), window or 0, self.threads)
+        return x
 
     def rmsnorm(self, x, w, eps):
         return rmsnorm(np.ascontiguousarray(x, dtype=np.float32), w, eps)

@@ -160,9 +160,10 @@ class ReferenceBackend:
     def prepare_embedding(self, table: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(table, dtype=np.float32)
 
-    def fused_decode(self, layer) -> bool:
-        """Whether `decode_layer` runs this decoder layer (models.llama.Layer) for one token;
-        a backend with no fused layer says no, and the decoder calls the ops one by one."""
+    def fused_decode(self, layer, tokens: int) -> bool:
+        """Whether `decode_layer` runs this decoder layer (models.llama.Layer) for `tokens`
+        tokens after the cache's; a backend with no fused layer says no, and the decoder calls
+        the ops one by one."""
         return False
 
     embedding = staticmethod(embedding)

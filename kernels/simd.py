@@ -158,8 +158,8 @@ def _rows_dot(R: int):
     in float32 for the R rows r .. r+R-1 of w [out, in] (float32, or int8 taken as its values),
     x float32 [T, in], n = in rounded down to a multiple of LANES (the caller adds the rest).
     Each row has a vector accumulator of LANES floats, summed at the end (llvm's reduction), so
-    a row's sum is the same whichever R computes it. Each load asks for the memory R rows on:
-    the next call's rows, which a GEMV reads next."""
+    a row's sum is the same whichever R computes it. The loop asks for the next R rows (which a
+    GEMV reads next) as it goes, each cache line once."""
 
     @intrinsic
     def rows_dot(typingctx, w, r, x, t, dst):
@@ -171,8 +171,8 @@ def _rows_dot(R: int):
             rv, tv = (context.cast(builder, v, ty, types.intp)
                       for v, ty in ((args[1], r_ty), (args[3], t_ty)))
             w_arr = context.make_array(w_ty)(context, builder, args[0])
-            n = builder.extract_value(w_arr.shape, 1)
-            n = builder.mul(builder.udiv(n, ir.Constant(intp, LANES)), ir.Constant(intp, LANES))
+            cols = builder.extract_value(w_arr.shape, 1)
+            n = builder.mul(builder.udiv(cols, ir.Constant(intp, LANES)), ir.Constant(intp, LANES))
             f32, i8, i32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
             vec = ir.VectorType(f32, LANES)
             is_int8 = w_ty.dtype == types.int8
@@ -182,11 +182,20 @@ def _rows_dot(R: int):
                 "llvm.prefetch.p0i8")
             rows = [_row_pointer(context, builder, w_ty, args[0],
                                  builder.add(rv, ir.Constant(intp, j))) for j in range(R)]
-            ahead = builder.mul(n, ir.Constant(intp, R * (1 if is_int8 else 4)))   # R rows, bytes
             x_row = _row_pointer(context, builder, x_ty, args[2], tv)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(R)]
             zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
+            size = 1 if is_int8 else 4
+            # the R rows lie one after the other: the step at element d asks for the bytes the
+            # same step of the next R rows will read, a cache line (64 bytes) at a time
+            ahead = builder.gep(builder.bitcast(rows[0], i8.as_pointer()),
+                                [builder.mul(cols, ir.Constant(intp, R * size))])
             with cgutils.for_range_slice(builder, zero, n, step) as (d, _):
+                at = builder.mul(d, ir.Constant(intp, R * size))
+                for line in range(max(1, R * size * LANES // 64)):
+                    where = builder.gep(ahead, [builder.add(at, ir.Constant(intp, 64 * line))])
+                    builder.call(prefetch, [where, ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                            ir.Constant(i32, 1)])
                 xv = builder.load(builder.bitcast(builder.gep(x_row, [d]), vec.as_pointer()),
                                   align=4)
                 for row, acc in zip(rows, accs):
@@ -195,10 +204,6 @@ def _rows_dot(R: int):
                                                       .as_pointer()), align=1 if is_int8 else 4)
                     if is_int8:
                         wv = builder.sitofp(wv, vec)
-                    builder.call(prefetch, [builder.gep(builder.bitcast(ptr, i8.as_pointer()),
-                                                        [ahead]),
-                                            ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                            ir.Constant(i32, 1)])
                     builder.store(builder.fadd(builder.load(acc),
                                                builder.fmul(xv, wv, flags=["fast"]),
                                                flags=["fast"]), acc)

@@ -153,8 +153,8 @@ class LlamaModel:
         for i, L in enumerate(self.layers):
             # buffers [G, C, D], new tokens' slots [G, T], slot positions [G, S], scores or None
             k_buf, v_buf, slots, k_pos, score = cache.layer(i)
-            if T == 1 and be.fused_decode(L):      # the same ops, in one call (the backend's)
-                x = be.decode_layer(x, L, k_buf, v_buf, slots, int(pos[0]), k_pos, score, cos, sin,
+            if be.fused_decode(L, T):              # the same ops, in one call (the backend's)
+                x = be.decode_layer(x, L, k_buf, v_buf, slots, pos, k_pos, score, cos, sin,
                                     eps=cfg.rms_norm_eps, n_heads=Q, scale=self.scale,
                                     window=cfg.sliding_window)
                 continue

@@ -301,6 +301,27 @@ def test_tiny_model_cpu_equals_reference(tmp_path, heads, kv_heads):
         assert a == b
 
 
+@pytest.mark.parametrize("policy", ["dense", "h2o"])
+def test_fused_layers_give_each_of_a_few_tokens_its_one_token_result(tmp_path, policy):
+    """A 4-bit model's pass over a few tokens (a draft's verification) runs the fused layer
+    kernel as a decode step does, and gives each token the logits a decode step gives it, to
+    the bit (so greedy speculation cannot flip a near-tie); the caches end the same."""
+    _, q = tiny_models(tmp_path, 8, 2)
+    m = tinyrt.LLM(q, device="cpu").model
+    c = m.config
+    caches = [make_cache(policy, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64,
+                         m.backend, np.float32) for _ in range(2)]
+    ids = rng.integers(0, c.vocab_size, 30)
+    for cache in caches:
+        m.forward(ids[:20], cache)
+    one = [m.forward([t], caches[0])[0] for t in ids[20:]]
+    rows = m.forward(ids[20:], caches[1], all_logits=True)
+    assert all(np.array_equal(a, b) for a, b in zip(one, rows))
+    assert np.array_equal(caches[0].k, caches[1].k) and np.array_equal(caches[0].slot_pos, caches[1].slot_pos)
+    if policy == "h2o":
+        assert np.array_equal(caches[0].score, caches[1].score)
+
+
 @pytest.mark.parametrize("heads, kv_heads, window, policy", [(4, 2, None, "dense"), (8, 8, None, "dense"),
                                                         (8, 2, 5, "dense"), (4, 2, None, "h2o")])
 def test_fused_decode_layer_equals_the_ops(tmp_path, heads, kv_heads, window, policy):
@@ -309,8 +330,8 @@ def test_fused_decode_layer_equals_the_ops(tmp_path, heads, kv_heads, window, po
     over = dict(model_type="mistral", sliding_window=window) if window else {}
     _, q = tiny_models(tmp_path, heads, kv_heads, **over)
     fused, ops = tinyrt.LLM(q, device="cpu").model, tinyrt.LLM(q, device="cpu").model
-    ops.backend.fused_decode = lambda layer: False
-    assert fused.backend.fused_decode(fused.layers[0])
+    ops.backend.fused_decode = lambda layer, tokens: False
+    assert fused.backend.fused_decode(fused.layers[0], 1)
     c = fused.config
     size = 24 if policy == "h2o" else 64                 # h2o: 50 evictions
     caches = [make_cache(policy, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, size,
