@@ -4,11 +4,12 @@
         [--layers 6 10] [--confidence 0.1 0.3]
 
 For each prompt (open chat, and a summarise-this-text prompt that a reply may quote), the
-decode speed of: the target alone; the target with the draft model (at each draft confidence
-given: the probability of its whole draft below which the draft stops); the target with prompt
-lookup; and, for the draft (an AWQ model) as a target of its own, that model alone and with
-its own first N layers as the draft (`layers:N`). Runs alternate between configurations;
-figures are medians. Every speculative reply is checked token for token against its target's.
+decode speed (median of the runs) of: the target alone; the target with the draft model (at
+each draft confidence given: the probability of its whole draft below which the draft stops);
+the target with prompt lookup; and, for the draft (an AWQ model) as a target of its own, that
+model alone and with its own first N layers as the draft (`layers:N`). Runs alternate between
+configurations; a speed-up is the median (and range) of each run's ratio to its reference's run
+in the same round. Every speculative reply is checked token for token against its target's.
 """
 
 import argparse
@@ -78,7 +79,11 @@ def main():
             if ref is not None:
                 s = stats[c]
                 same = "identical" if outputs[c] == outputs[ref] else "DIFFERENT"
-                line += (f"  x{tok_s / statistics.median(speed[ref]):.2f} vs {ref}; accepted "
+                # the speed-up of each run against its reference's run of the same round (the
+                # machine's speed drifts between rounds more than within one): median and range
+                ratios = sorted(a / b for a, b in zip(speed[c], speed[ref]))
+                line += (f"  x{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) "
+                         f"vs {ref}; accepted "
                          f"{s.accept_rate:.0%} of {s.drafted}, {s.tokens_per_step:.2f} tokens per "
                          f"target pass, gamma {s.drafted / max(1, s.target_steps):.1f} on "
                          f"average, {s.gamma} at the end; output {same}")

@@ -160,9 +160,8 @@ class LLM:
                       stop=stop, load_s=self.load_s)
         if self.drafter is None:
             return Generation(*args, **kwargs)
-        gamma = min(4, self.draft_tokens) if self.drafter.adaptive else self.draft_tokens
         return SpeculativeGeneration(*args, drafter=self.drafter, max_gamma=self.draft_tokens,
-                                     gamma=gamma, **kwargs)
+                                     gamma=min(4, self.draft_tokens), **kwargs)
 
     def generate(self, prompt: Prompt, **options) -> str:
         """The whole reply as text (options as for `stream`)."""

@@ -12,10 +12,11 @@ Drafters:
   occurrence of the context's last n-gram (replies that quote their input);
 - a model's first layers with its final norm and head (`first_layers`), a derived draft.
 
-How many tokens a draft proposes: a draft model stops when the probability it gives its whole
-draft (the product of its tokens' probabilities) falls below `DRAFT_CONFIDENCE`, or at the bound
-(`--draft-tokens`): a token it is unsure of is likely rejected, and costs a draft step all the
-same. Prompt lookup has no probabilities: its bound adapts to what the target kept.
+How many tokens a draft proposes: at most gamma, a bound that adapts to what the target keeps
+(one more after a pass that kept every draft, one fewer after one that kept less than half,
+within 1 and `--draft-tokens`); a draft model stops sooner where the probability it gives its
+whole draft (the product of its tokens' probabilities) falls below `DRAFT_CONFIDENCE`: a token
+it is unsure of is likely rejected, and costs a draft step all the same.
 
 Both caches roll back what the target rejects; a sink cache keeps gamma + 1 slots of slack for
 that (kv_cache.SinkCache). The h2o policy cannot roll back an eviction, so it takes no draft.
@@ -75,8 +76,6 @@ class ModelDrafter:
     """A draft model with its own KV cache, kept in step with the target's: what it has seen is
     the target cache's tokens (`pending` the ones it has not run yet). It ends a draft once the
     product of its tokens' probabilities is below `confidence` (0: never)."""
-
-    adaptive = False       # (it sets its drafts' length itself)
 
     def __init__(self, model, cache, name: str = "model", confidence: float = DRAFT_CONFIDENCE):
         self.model, self.cache, self.name, self.confidence = model, cache, name, confidence
@@ -146,7 +145,6 @@ class LookupDrafter:
     it. The context is the prompt and the reply so far (its last `window` tokens)."""
 
     name = "lookup"
-    adaptive = True        # (its bound follows what the target kept)
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1, window: int = 4096):
         self.ngram, self.min_ngram, self.window = ngram, min_ngram, window
@@ -229,9 +227,9 @@ class SpecStats:
 
 
 class SpeculativeGeneration(Generation):
-    """A `Generation` whose decode steps draft and verify, at most `gamma` drafts per step. For
-    a drafter without a rule of its own (`adaptive`), the bound adapts within [1, max_gamma]:
-    one more after a step that kept all, one fewer after one that kept less than half."""
+    """A `Generation` whose decode steps draft and verify, at most `gamma` drafts per step, a
+    bound that adapts within [1, max_gamma]: one more after a step that kept every draft, one
+    fewer after one that kept less than half."""
 
     def __init__(self, *args, drafter, gamma: int = 4, max_gamma: int = MAX_GAMMA,
                  adapt: bool = True, **kwargs):
@@ -301,8 +299,8 @@ class SpeculativeGeneration(Generation):
                 s.target_steps += 1
                 s.drafted += len(drafts)
                 s.accepted += k
-                if self.adapt and self.drafter.adaptive and drafts:
-                    if k == len(drafts) == self.gamma:
+                if self.adapt and drafts:
+                    if k == len(drafts):
                         self.gamma = min(self.gamma + 1, self.max_gamma)
                     elif k < len(drafts) // 2:
                         self.gamma = max(1, self.gamma - 1)

@@ -42,8 +42,8 @@ def add_draft_options(g) -> None:
                         "(drafts copied from earlier text: replies that quote the prompt) or "
                         "'layers:N' (the model's own first N layers)")
     g.add_argument("--draft-tokens", type=int, default=MAX_GAMMA,
-                   help=f"most tokens drafted per step (default {MAX_GAMMA}); a draft model stops "
-                        "sooner where it is unsure, lookup adapts the number")
+                   help=f"most tokens drafted per step; the number adapts, and a draft model "
+                        f"stops sooner where it is unsure (default {MAX_GAMMA})")
 
 
 def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
