@@ -698,7 +698,8 @@ class CpuBackend(reference.ReferenceBackend):
             lins += [w.w, w.s, w.z]
         decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, _bits(k_buf),
                      _bits(v_buf), slots, np.ascontiguousarray(pos, np.int64), k_pos,
-                     _scores(score), cos, sin, n_heads, np.float32(scale), window or 0, self.threads)
+                     _scores(score), cos, sin, n_heads, np.float32(scale), window or 0,
+                     self.threads)
         return x
 
     def rmsnorm(self, x, w, eps):

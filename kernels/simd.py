@@ -89,7 +89,8 @@ def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
 def tile_dot(typingctx, w, k, xp, sx, xsum, s, z, t, out):
     """out[j] (float32, j < LANES) = output LANES k + j of a 4-bit layer for token t: the sum
     over activation blocks b (in quantization group gi) of
-        s[k, gi, j] * (sx[t, b] * (integer dot of the block's codes and x_q)  -  z[k, gi, j] * xsum[t, b])
+        s[k, gi, j] * (sx[t, b] * (integer dot of the block's codes and x_q)
+                       -  z[k, gi, j] * xsum[t, b])
     w int32 [tiles, in/8, LANES] (pair-planar tiles), s uint16 (float16 bits) and z uint8
     [tiles, in/g, LANES]; xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs).
     The integer dot is pairwise multiply-adds of 16-bit codes and activations, 32 per
@@ -113,9 +114,10 @@ def tile_dot(typingctx, w, k, xp, sx, xsum, s, z, t, out):
             return cgutils.get_item_pointer(context, builder, ty, a, list(index))
 
         def splat(x):
-            one = builder.insert_element(ir.Constant(fvec, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+            i32 = ir.IntType(32)
+            one = builder.insert_element(ir.Constant(fvec, ir.Undefined), x, ir.Constant(i32, 0))
             return builder.shuffle_vector(one, ir.Constant(fvec, ir.Undefined),
-                                          ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+                                          ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
 
         w_arr = context.make_array(w_ty)(context, builder, args[0])
         s_arr = context.make_array(s_ty)(context, builder, args[5])
@@ -143,7 +145,8 @@ def tile_dot(typingctx, w, k, xp, sx, xsum, s, z, t, out):
             f = splat(builder.load(pointer(sx_ty, args[3], tv, b)))
             xs = splat(builder.load(pointer(xsum_ty, args[4], tv, b)))
             part = builder.fsub(builder.fmul(f, builder.sitofp(dots, fvec), flags=fast),
-                                builder.fmul(builder.uitofp(zeros, fvec), xs, flags=fast), flags=fast)
+                                builder.fmul(builder.uitofp(zeros, fvec), xs, flags=fast),
+                                flags=fast)
             part = builder.fmul(builder.fpext(scales, fvec), part, flags=fast)
             builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
         out_ptr = pointer(out_ty, args[8], const(0))

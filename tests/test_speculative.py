@@ -175,7 +175,7 @@ def test_a_draft_model_stops_where_it_is_unsure(models):
         before = d.cache.next_pos
         drafts, q = d.propose(8, 4, choose)
         assert drafts == [20, 21, 22, 23][:n] and len(q) == n       # 0.9 * 0.5 * 0.9 < 0.42
-        assert d.cache.next_pos == before + n                      # 8 and the drafts run but the last
+        assert d.cache.next_pos == before + n          # 8 and the drafts but the last have run
         d.commit([])
         assert d.cache.next_pos == before + 1 and d.pending == []
 

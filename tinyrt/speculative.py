@@ -39,7 +39,8 @@ MAX_GAMMA = 12          # the default bound of the drafts' length (--draft-token
 DRAFT_CONFIDENCE = 0.3  # a draft model stops below this probability of its whole draft
 VOCAB_MARGIN = 128      # vocabularies may differ in size by this much (padding rows)
 
-# logits, drafts so far -> (token, the distribution it was drawn from, the draft's probability of it)
+# (logits, drafts so far) -> (token, the distribution it was drawn from, the draft's probability
+# of it)
 Choose = Callable[[np.ndarray, Sequence[int]], "tuple[int, np.ndarray, float]"]
 
 
