@@ -115,8 +115,8 @@ def test_convert_killed_leaves_all_or_nothing(tmp_path, default_gguf, sig, at):
     time.sleep(at * took)
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    if out.exists():              # it had finished: the whole model is there
-        assert proc.returncode == 0
+    if out.exists():              # it had renamed its output in place: the whole model is there
+        # (a kill after the rename, while the process exits, still ends it with the signal)
         assert sorted(WeightStore(out).keys()) == whole and (out / "config.json").exists()
     else:
         assert proc.returncode != 0
