@@ -23,11 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from soak import rss_mb
-
 import numpy as np
-
-
+from soak import rss_mb
 
 
 def stream(llm, text, policy, size, sinks, tokens, progress=None, skip=0):

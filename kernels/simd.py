@@ -35,6 +35,25 @@ def pair_shift(t):
     return 4 * (t // 2) + 16 * (t % 2)
 
 
+def _splat(builder, value):
+    """IR: a vector of LANES copies of the scalar `value`."""
+    vec = ir.VectorType(value.type, LANES)
+    i32 = ir.IntType(32)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined),
+                                  ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+
+
+def _prefetch(builder, address):
+    """IR: ask for the cache line at `address` (an i8 pointer): read, to all cache levels, data.
+    A hint, which never faults past an array."""
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+        "llvm.prefetch.p0i8")
+    builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
     """IR: the int32 vector [LANES] of sums over word rows r in [r0, r1) and m = 0..3 of
     lo(w[r, j] >> 4m) * lo(xp[4r + m]) + hi(w[r, j] >> 4m) * hi(xp[4r + m]), w_ptr pointing at
@@ -49,10 +68,6 @@ def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
     even = ir.Constant(vec, list(range(0, 2 * LANES, 2)))
     odd = ir.Constant(vec, list(range(1, 2 * LANES, 2)))
     mask = ir.Constant(vec, [PAIR_MASK] * LANES)
-    splat0 = ir.Constant(vec, [0] * LANES)
-    prefetch = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-        "llvm.prefetch.p0i8")
     accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
     for acc in accs:
         builder.store(ir.Constant(vec, None), acc)
@@ -64,16 +79,12 @@ def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
         r = row.index
         ptr = builder.gep(w_ptr, [builder.mul(r, const(LANES))])
         words = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
-        # (read, to all cache levels, data): a hint, which never faults past the array
-        builder.call(prefetch, [builder.gep(builder.bitcast(ptr, i8.as_pointer()),
-                                            [const(PREFETCH_BYTES)]),
-                                ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
+                                       [const(PREFETCH_BYTES)]))
         for m, acc in enumerate(accs):
             pair = builder.load(builder.gep(xp_ptr, [builder.add(builder.mul(r, const(4)),
                                                                  const(m))]))
-            x = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(vec, ir.Undefined), pair, ir.Constant(i32, 0)),
-                ir.Constant(vec, ir.Undefined), splat0)
+            x = _splat(builder, pair)
             codes = words if m == 0 else builder.lshr(words, ir.Constant(vec, [4 * m] * LANES))
             codes = builder.and_(codes, mask)
             prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
@@ -113,12 +124,6 @@ def tile_dot(typingctx, w, k, xp, sx, xsum, s, z, t, out):
             a = context.make_array(ty)(context, builder, arr)
             return cgutils.get_item_pointer(context, builder, ty, a, list(index))
 
-        def splat(x):
-            i32 = ir.IntType(32)
-            one = builder.insert_element(ir.Constant(fvec, ir.Undefined), x, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(fvec, ir.Undefined),
-                                          ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
-
         w_arr = context.make_array(w_ty)(context, builder, args[0])
         s_arr = context.make_array(s_ty)(context, builder, args[5])
         sx_arr = context.make_array(sx_ty)(context, builder, args[3])
@@ -142,8 +147,8 @@ def tile_dot(typingctx, w, k, xp, sx, xsum, s, z, t, out):
             zeros = builder.load(builder.bitcast(pointer(z_ty, args[6], kv, gi, const(0)),
                                                  ir.VectorType(ir.IntType(8), LANES).as_pointer()),
                                  align=1)
-            f = splat(builder.load(pointer(sx_ty, args[3], tv, b)))
-            xs = splat(builder.load(pointer(xsum_ty, args[4], tv, b)))
+            f = _splat(builder, builder.load(pointer(sx_ty, args[3], tv, b)))
+            xs = _splat(builder, builder.load(pointer(xsum_ty, args[4], tv, b)))
             part = builder.fsub(builder.fmul(f, builder.sitofp(dots, fvec), flags=fast),
                                 builder.fmul(builder.uitofp(zeros, fvec), xs, flags=fast),
                                 flags=fast)
@@ -176,13 +181,10 @@ def _rows_dot(R: int):
             w_arr = context.make_array(w_ty)(context, builder, args[0])
             cols = builder.extract_value(w_arr.shape, 1)
             n = builder.mul(builder.udiv(cols, ir.Constant(intp, LANES)), ir.Constant(intp, LANES))
-            f32, i8, i32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
+            f32, i8 = ir.FloatType(), ir.IntType(8)
             vec = ir.VectorType(f32, LANES)
             is_int8 = w_ty.dtype == types.int8
             element = i8 if is_int8 else f32
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-                "llvm.prefetch.p0i8")
             rows = [_row_pointer(context, builder, w_ty, args[0],
                                  builder.add(rv, ir.Constant(intp, j))) for j in range(R)]
             x_row = _row_pointer(context, builder, x_ty, args[2], tv)
@@ -196,9 +198,8 @@ def _rows_dot(R: int):
             with cgutils.for_range_slice(builder, zero, n, step) as (d, _):
                 at = builder.mul(d, ir.Constant(intp, R * size))
                 for line in range(max(1, R * size * LANES // 64)):
-                    where = builder.gep(ahead, [builder.add(at, ir.Constant(intp, 64 * line))])
-                    builder.call(prefetch, [where, ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                            ir.Constant(i32, 1)])
+                    offset = builder.add(at, ir.Constant(intp, 64 * line))
+                    _prefetch(builder, builder.gep(ahead, [offset]))
                 xv = builder.load(builder.bitcast(builder.gep(x_row, [d]), vec.as_pointer()),
                                   align=4)
                 for row, acc in zip(rows, accs):
@@ -362,15 +363,12 @@ def cache_axpy4(typingctx, e, i, v, s, out, h, n):
         half = _is_half(v_ty)
         f32 = ir.FloatType()
         vec = ir.VectorType(f32, LANES)
-        i32 = ir.IntType(32)
-        splat0 = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
         e_arr = context.make_array(e_ty)(context, builder, args[0])
         weights, rows = [], []
         for j in range(4):
             idx = builder.add(iv, ir.Constant(intp, j))
             x = builder.load(cgutils.get_item_pointer(context, builder, e_ty, e_arr, [idx]))
-            one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(i32, 0))
-            weights.append(builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat0))
+            weights.append(_splat(builder, x))
             rows.append(_row_pointer(context, builder, v_ty, args[2],
                                      builder.add(sv, ir.Constant(intp, j))))
         out_row = _row_pointer(context, builder, out_ty, args[4], hv)
