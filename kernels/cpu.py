@@ -359,68 +359,67 @@ ATTENTION_BLOCK = 256    # cache slots per block of decode attention (blocks go 
 
 
 @njit(fastmath=True, cache=True)
-def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, out, top, total, probs):
-    """Softmax attention of one query per head q [Q, D] over the cache slots [s0, s1), not yet
-    normalized: per head, top = the largest score, total = sum of e**(score - top), and
-    out [Q, D] = sum of e**(score - top) * v; probs [Q, S] (when not empty) gets the
-    e**(score - top). k, v: cache buffers [G, S, D] of float16 bits (uint16) or float32; k_pos
-    [G, S] the positions their slots hold. The R query heads of a KV head read its rows while
-    they are in cache; the vector parts are simd.cache_dot / cache_axpy4, the last D % LANES
-    columns a loop."""
+def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, g, out, top, total, probs):
+    """Softmax attention of one query per head q [Q, D] over the cache slots [s0, s1) of KV head
+    g, not yet normalized, for the R query heads h that read it: top[h] = the largest score,
+    total[h] = sum of e**(score - top), and out[h] [D] = sum of e**(score - top) * v; probs
+    [Q, S] (when not empty) gets the e**(score - top). k, v: cache buffers [G, S, D] of float16
+    bits (uint16) or float32; k_pos [G, S] the positions their slots hold. The R heads read the
+    rows while they are in cache; the vector parts are simd.cache_dot / cache_axpy4, the last
+    D % LANES columns a loop."""
     Q, D = q.shape
     G = k.shape[0]
     R = Q // G
     Dv = D - D % simd.LANES
     scores = np.empty((R, s1 - s0), np.float32)
     keep = probs.shape[1] > 0
-    for g in range(G):
-        kg, vg, pg = k[g], v[g], k_pos[g]
-        n = 0              # slots [s0, s0 + n) up to the last visible one: the sums below then
-        for s in range(s0, s1):          # do not depend on hidden slots after it (to the bit)
-            p = pg[s]
-            if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
-                for r in range(R):
-                    scores[r, s - s0] = -np.inf
-                continue
-            n = s - s0 + 1
+    kg, vg, pg = k[g], v[g], k_pos[g]
+    n = 0              # slots [s0, s0 + n) up to the last visible one: the sums below then
+    for s in range(s0, s1):          # do not depend on hidden slots after it (to the bit)
+        p = pg[s]
+        if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
             for r in range(R):
-                acc = simd.cache_dot(q, g * R + r, kg, s, Dv)
-                for d in range(Dv, D):
-                    acc += q[g * R + r, d] * simd.from_cache(kg[s, d])
-                scores[r, s - s0] = acc * scale
+                scores[r, s - s0] = -np.inf
+            continue
+        n = s - s0 + 1
         for r in range(R):
-            h, sr = g * R + r, scores[r]
-            m = np.float32(-np.inf)
-            for i in range(n):
-                m = simd.fmax(m, sr[i])
-            top[h] = m
+            acc = simd.cache_dot(q, g * R + r, kg, s, Dv)
+            for d in range(Dv, D):
+                acc += q[g * R + r, d] * simd.from_cache(kg[s, d])
+            scores[r, s - s0] = acc * scale
+    for r in range(R):
+        h, sr = g * R + r, scores[r]
+        m = np.float32(-np.inf)
+        for i in range(n):
+            m = simd.fmax(m, sr[i])
+        top[h] = m
+        if keep:
+            probs[h, s0 + n:s1] = 0
+        if m == -np.inf:                 # no visible slot here
+            total[h] = 0
             if keep:
-                probs[h, s0 + n:s1] = 0
-            if m == -np.inf:                 # no visible slot here
-                total[h] = 0
-                if keep:
-                    probs[h, s0:s1] = 0
-                continue
-            t = np.float32(0)
-            for i in range(n):
-                e = exp(sr[i] - m)           # 0 for a hidden slot, whose V row is still read
-                sr[i] = e                    # below: harmless, cached values are finite (to_cache)
-                t += e
-            total[h] = t
-            if keep:
-                probs[h, s0:s0 + n] = sr[:n]
-            s = s0
-            while s + 4 <= s0 + n:
-                simd.cache_axpy4(sr, s - s0, vg, s, out, h, Dv)
-                s += 4
-            for s in range(s, s0 + n):
-                e = sr[s - s0]
-                for d in range(Dv):
-                    out[h, d] += e * simd.from_cache(vg[s, d])
-            for s in range(s0, s0 + n):
-                e = sr[s - s0]
-                for d in range(Dv, D):
-                    out[h, d] += e * simd.from_cache(vg[s, d])
+                probs[h, s0:s1] = 0
+            continue
+        t = np.float32(0)
+        for i in range(n):
+            e = exp(sr[i] - m)           # 0 for a hidden slot, whose V row is still read
+            sr[i] = e                    # below: harmless, cached values are finite (to_cache)
+            t += e
+        total[h] = t
+        if keep:
+            probs[h, s0:s0 + n] = sr[:n]
+        s = s0
+        while s + 4 <= s0 + n:
+            simd.cache_axpy4(sr, s - s0, vg, s, out, h, Dv)
+            s += 4
+        for s in range(s, s0 + n):
+            e = sr[s - s0]
+            for d in range(Dv):
+                out[h, d] += e * simd.from_cache(vg[s, d])
+        for s in range(s0, s0 + n):
+            e = sr[s - s0]
+            for d in range(Dv, D):
+                out[h, d] += e * simd.from_cache(vg[s, d])
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
@@ -429,9 +428,10 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
     k, v [G, S', D] whole cache buffers of which the first S slots are read, k_pos [G, S] their
     positions (-1 = free slot); window <= 0 means none. score [G, S'] gets each slot's
     attention weights added (summed over the query heads of its KV head, query after query),
-    unless it is empty ([G, 0]). Returns [T, Q, D]. The slots go in blocks of ATTENTION_BLOCK,
-    shared among up to `threads` tasks (every K/V row is read once, for all heads and queries);
-    the blocks' partial softmaxes are merged at the end, in order. The blocks' bounds depend on
+    unless it is empty ([G, 0]). Returns [T, Q, D]. The slots go in blocks of ATTENTION_BLOCK;
+    up to `threads` tasks share the (query, block, KV head) triples (a block's K/V rows of a KV
+    head are read once for the query heads that read it); the blocks' partial softmaxes are
+    merged at the end, in order. The blocks' bounds depend on
     neither S nor T, so slots appended after a query's position (masked: a draft's
     verification) and the other queries change nothing in its result, to the bit."""
     T, Q, D = q.shape
@@ -439,17 +439,17 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
     keep = score.shape[1] > 0
     probs = np.empty((T, Q if keep else 1, S if keep else 0), np.float32)
     blocks = max(1, (S + ATTENTION_BLOCK - 1) // ATTENTION_BLOCK)
-    tasks = min(threads, blocks)
-    outs = np.empty((T, blocks, Q, D), np.float32)
+    items = T * blocks * G                  # (query, block, KV head)
+    tasks = min(threads, items)
+    outs = np.zeros((T, blocks, Q, D), np.float32)
     tops = np.empty((T, blocks, Q), np.float32)
     totals = np.empty((T, blocks, Q), np.float32)
     for task in prange(tasks):
-        for b in range(task, blocks, tasks):
-            for t in range(T):
-                outs[t, b] = 0
-                _attention_slots(q[t], k, v, q_pos[t], k_pos, scale, window, b * ATTENTION_BLOCK,
-                                 min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK), outs[t, b],
-                                 tops[t, b], totals[t, b], probs[t])
+        for i in range(task, items, tasks):
+            t, b, g = i // (blocks * G), i // G % blocks, i % G
+            _attention_slots(q[t], k, v, q_pos[t], k_pos, scale, window, b * ATTENTION_BLOCK,
+                             min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK), g, outs[t, b],
+                             tops[t, b], totals[t, b], probs[t])
     out = np.zeros((T, Q, D), np.float32)
     for t in range(T):
         for h in range(Q):

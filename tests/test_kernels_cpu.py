@@ -241,6 +241,25 @@ def test_few_queries_equal_each_alone(S):
         assert np.array_equal(got[t], alone[0])
 
 
+@pytest.mark.parametrize("S", [40, 300])
+def test_decode_attention_does_not_depend_on_threads(S):
+    """The threads share (query, block, KV head) triples of decode attention: 1, 2 or 5 of them
+    give the same outputs and H2O scores, to the bit."""
+    G, R, D, T = 3, 3, 64, 3
+    q = rng.standard_normal((T, G * R, D)).astype(np.float32)
+    k, v = (rng.standard_normal((G, S, D)).astype(np.float16).view(np.uint16) for _ in range(2))
+    k_pos = np.tile(np.arange(S), (G, 1))
+    k_pos[1, 5] = -1                                            # a free slot
+    q_pos = np.arange(S - T, S)
+    results = []
+    for threads in (1, 2, 5):
+        score = np.zeros((G, S), np.float32)
+        out = cpu.attention_decode(q, k, v, q_pos, k_pos, np.float32(0.125), 0, threads, score)
+        results.append((out, score))
+    for out, score in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(score, results[0][1])
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_store_kv(dtype):
     """Each KV head's rows at its own slots; float16 buffers hold the values rounded to nearest
