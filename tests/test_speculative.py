@@ -156,6 +156,10 @@ def test_greedy_output_is_the_targets_for_every_gamma(models, device, draft):
     assert got == want and 1 <= s.gamma <= 8
     got, s = speculative(llm, ids, 60, 12, adapt=True, confidence=0.3, temperature=0)
     assert got == want
+    # with a repeat penalty, greedy tokens are the argmax of penalized logits (the drafts' too)
+    penalty = dict(temperature=0, repeat_penalty=1.5, repeat_last_n=16)
+    got, s = speculative(llm, ids, 60, 4, adapt=True, confidence=0.3, **penalty)
+    assert got == plain(target, ids, 60, **penalty) != want
 
 
 def test_a_draft_model_stops_where_it_is_unsure(models):

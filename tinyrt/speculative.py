@@ -39,9 +39,9 @@ MAX_GAMMA = 12          # the default bound of the drafts' length (--draft-token
 DRAFT_CONFIDENCE = 0.3  # a draft model stops below this probability of its whole draft
 VOCAB_MARGIN = 128      # vocabularies may differ in size by this much (padding rows)
 
-# (logits, drafts so far) -> (token, the distribution it was drawn from, the draft's probability
-# of it)
-Choose = Callable[[np.ndarray, Sequence[int]], "tuple[int, np.ndarray, float]"]
+# (logits, drafts so far) -> (token, the distribution it was drawn from or None for the argmax,
+# the draft's probability of it)
+Choose = Callable[[np.ndarray, Sequence[int]], "tuple[int, np.ndarray | None, float]"]
 
 
 def check_compatible(target_tok, draft_tok, target_cfg, draft_cfg) -> None:
@@ -96,12 +96,14 @@ class ModelDrafter:
         self.pending = []
         self.synced = None
 
-    def propose(self, token: int, gamma: int, choose: Choose) -> tuple[list[int], np.ndarray]:
+    def propose(self, token: int, gamma: int,
+                choose: Choose) -> tuple[list[int], np.ndarray | None]:
         """At most gamma tokens to follow `token` (the target's last, not in its cache yet), and
-        the distributions they were drawn from [n, V]."""
+        the distributions they were drawn from [n, V] (None where `choose` gives none: the
+        draft's argmax, one-hot)."""
         if gamma == 0:                         # (the target takes `token` alone)
             self.pending.append(token)
-            return [], np.zeros((0, 0))
+            return [], None
         feed, self.pending = self.pending + [token], []
         drafts, q, sure = [], [], 1.0
         for j in range(gamma):
@@ -110,12 +112,13 @@ class ModelDrafter:
             logits = self.model.backend.to_numpy(self.model.forward(feed, self.cache))[-1]
             x, dist, prob = choose(logits, drafts)
             drafts.append(x)
-            q.append(dist)
+            if dist is not None:
+                q.append(dist)
             sure *= prob
             if sure < self.confidence:
                 break
         self._fed_drafts = len(drafts) - 1     # the last draft is not run
-        return drafts, np.array(q)
+        return drafts, np.array(q) if q else None
 
     def commit(self, accepted: Sequence[int]) -> None:
         """The target kept `accepted`, the first drafts of the last proposal."""
@@ -244,6 +247,8 @@ class SpeculativeGeneration(Generation):
         t, s, cache, sampler = self.timings, self.timings.speculative, self.cache, self.sampler
         V = self.model.config.vocab_size
         keep = sampler.history_size
+        greedy = sampler.params.temperature == 0
+        argmax = greedy and not keep       # each token the plain argmax of its logits
         start = time.perf_counter()
         self.drafter.start(self.prompt, cache.next_pos)
         logits = self._logits(self.prompt)
@@ -275,10 +280,13 @@ class SpeculativeGeneration(Generation):
                 def choose(logits, drafts):
                     if len(logits) < V:            # a draft vocabulary a few ids smaller
                         logits = np.concatenate([logits, np.full(V - len(logits), -np.inf)])
-                    d = sampler.distribution(logits[:V], history + drafts if keep else ())
-                    x = sampler.draw(d)
-                    if sampler.params.temperature == 0:    # (d is one-hot: the model's own;
-                        # float32: NumPy's float64 exp takes 7x as long, 0.9 ms a draft token)
+                    if argmax:
+                        x, d = int(np.argmax(logits[:V])), None
+                    else:
+                        d = sampler.distribution(logits[:V], history + drafts if keep else ())
+                        x = sampler.draw(d)
+                    if greedy:      # the probability under the draft's own softmax (float32:
+                        # NumPy's float64 exp takes 7x as long, 0.9 ms a draft token)
                         return x, d, 1.0 / np.exp(logits[:V] - logits[x], dtype=np.float32).sum()
                     return x, d, d[x]
 
@@ -290,7 +298,12 @@ class SpeculativeGeneration(Generation):
                 def p_rows(j):
                     return sampler.distribution(rows[j], history + drafts[:j] if keep else ())
 
-                k, nxt = accept(p_rows, q, drafts, sampler)
+                if argmax:          # exact match with the target's argmax (Leviathan's rule
+                    best = rows.argmax(axis=1)      # for one-hot p and q, without the arrays)
+                    k = next((j for j, x in enumerate(drafts) if x != best[j]), len(drafts))
+                    nxt = int(best[k])
+                else:
+                    k, nxt = accept(p_rows, q, drafts, sampler)
                 cache.rollback(len(drafts) - k)
                 self.drafter.commit(drafts[:k])
                 out = [*drafts[:k], nxt]
