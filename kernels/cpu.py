@@ -355,7 +355,7 @@ def swiglu(gu):
     return y
 
 
-ATTENTION_BLOCK = 256    # cache slots per block of decode attention (blocks go to threads)
+ATTENTION_BLOCK = 256    # cache slots per block of decode attention
 
 
 @njit(fastmath=True, cache=True)
@@ -431,9 +431,9 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
     unless it is empty ([G, 0]). Returns [T, Q, D]. The slots go in blocks of ATTENTION_BLOCK;
     up to `threads` tasks share the (query, block, KV head) triples (a block's K/V rows of a KV
     head are read once for the query heads that read it); the blocks' partial softmaxes are
-    merged at the end, in order. The blocks' bounds depend on
-    neither S nor T, so slots appended after a query's position (masked: a draft's
-    verification) and the other queries change nothing in its result, to the bit."""
+    merged at the end, in order. The blocks' bounds depend on neither S nor T, so slots
+    appended after a query's position (masked: a draft's verification) and the other queries
+    change nothing in its result, to the bit."""
     T, Q, D = q.shape
     G, S = k_pos.shape
     keep = score.shape[1] > 0
