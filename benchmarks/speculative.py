@@ -1,15 +1,16 @@
 """Speculative decoding against the target alone, in one run (greedy, 2 threads by default).
 
     python benchmarks/speculative.py --target F16_DIR --draft AWQ_DIR [--tokens 128] [--runs 3]
-        [--layers 6 10] [--confidence 0.1 0.3]
+        [--layers 6 10] [--confidence 0.1 0.3] [--own-cache]
 
 For each prompt (open chat, and a summarise-this-text prompt that a reply may quote), the
 decode speed (median of the runs) of: the target alone; the target with the draft model (at
-each draft confidence given: the probability of its whole draft below which the draft stops);
-the target with prompt lookup; and, for the draft (an AWQ model) as a target of its own, that
-model alone and with its own first N layers as the draft (`layers:N`). Runs alternate between
-configurations; a speed-up is the median (and range) of each run's ratio to its reference's run
-in the same round. Every speculative reply is checked token for token against its target's.
+each draft confidence given: the probability of its whole draft below which the draft stops;
+with --own-cache, also on a KV cache of its own instead of the target's); the target with
+prompt lookup; and, for the draft (an AWQ model) as a target of its own, that model alone and
+with its own first N layers as the draft (`layers:N`). Runs alternate between configurations;
+a speed-up is the median (and range) of each run's ratio to its reference's run in the same
+round. Every speculative reply is checked token for token against its target's.
 """
 
 import argparse
@@ -45,6 +46,9 @@ def main():
     p.add_argument("--layers", type=int, nargs="*", default=[6, 10])
     p.add_argument("--confidence", type=float, nargs="*", default=[],
                    help="draft confidences to compare (default: the runtime's)")
+    p.add_argument("--own-cache", action="store_true",
+                   help="also the draft on a KV cache of its own (the runtime has it read the "
+                        "target's, a copy of the target's)")
     args = p.parse_args()
     import tinyrt
 
@@ -57,6 +61,16 @@ def main():
         if c is not None:
             llm.drafter.confidence = c
         configs["+ draft" if c is None else f"+ draft {c:g}"] = (llm, "target")
+    if args.own_cache:
+        from tinyrt.kv_cache import make_cache
+        from tinyrt.speculative import ModelDrafter
+
+        llm = load(args.target, args.draft)
+        m = llm.drafter.model
+        cache = make_cache("dense", m.config.num_hidden_layers, m.config.num_key_value_heads,
+                           m.config.head_dim, 2048, m.backend)
+        llm.drafter = ModelDrafter(m, cache, llm.drafter.name)
+        configs["+ draft own cache"] = (llm, "target")
     configs["+ lookup"] = (load(args.target, "lookup"), "target")
     if args.layers:
         configs["awq alone"] = (load(args.draft), None)

@@ -103,17 +103,21 @@ def test_greedy_acceptance_is_argmax_agreement():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A tiny target, a draft close to it (its weights with 5 % noise: high acceptance) and an
-    unrelated draft with another shape (low acceptance); one tokenizer."""
+    """A tiny target; a draft close to it (its weights with 5 % noise: high acceptance); a copy
+    of it (the same noise but for the embedding table, as a quantized copy keeps it: it reads
+    the target's KV cache); an unrelated draft with another shape (low acceptance); one
+    tokenizer."""
     root = tmp_path_factory.mktemp("spec")
     cfg = tiny_config()
     w = random_weights(cfg, seed=5)
     noisy = {k: (v + 0.05 * np.abs(v).mean() * rng.standard_normal(v.shape)).astype(np.float32)
              for k, v in w.items()}
+    copy = {**noisy, "model.embed_tokens.weight": w["model.embed_tokens.weight"]}
     small = tiny_config(hidden_size=48, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=3, num_key_value_heads=1)
     return {"target": write_tiny_model(root / "target", cfg, weights=w),
             "near": write_tiny_model(root / "near", cfg, weights=noisy),
+            "copy": write_tiny_model(root / "copy", cfg, weights=copy),
             "far": write_tiny_model(root / "far", small, seed=9)}
 
 
@@ -139,7 +143,7 @@ def speculative(llm, ids, n, gamma, adapt=False, confidence=0.0, **sampling):
 
 
 @pytest.mark.parametrize("device", ["reference", "cpu"])
-@pytest.mark.parametrize("draft", ["near", "far", "lookup", "layers:1"])
+@pytest.mark.parametrize("draft", ["near", "copy", "far", "lookup", "layers:1"])
 def test_greedy_output_is_the_targets_for_every_gamma(models, device, draft):
     target = tinyrt.LLM(models["target"], device=device, kv_size=256)
     llm = tinyrt.LLM(models["target"], device=device, kv_size=256,
@@ -150,7 +154,7 @@ def test_greedy_output_is_the_targets_for_every_gamma(models, device, draft):
         got, s = speculative(llm, ids, 60, gamma, temperature=0)
         assert got == want, gamma
         assert s.target_steps < 60 and s.accepted <= s.drafted
-        if draft == "near":
+        if draft in ("near", "copy"):
             assert 0 < s.accepted < s.drafted        # both branches of the rule ran
     got, s = speculative(llm, ids, 60, 4, adapt=True, temperature=0)
     assert got == want and 1 <= s.gamma <= 8
@@ -184,6 +188,47 @@ def test_a_draft_model_stops_where_it_is_unsure(models):
         assert d.cache.next_pos == before + 1 and d.pending == []
 
 
+def test_which_drafts_read_the_targets_cache(models):
+    """A copy of the target (same attention layout and embedding table) and the target's own
+    first layers read its KV cache; a draft with other embeddings or another shape has its own."""
+    for draft, shared in [("copy", True), ("layers:1", True), ("near", False), ("far", False)]:
+        llm = tinyrt.LLM(models["target"], device="reference", kv_size=64,
+                         draft=models.get(draft, draft))
+        assert llm.drafter.shared == shared, draft
+        assert (llm.drafter.cache is llm.cache) == shared, draft
+
+
+@pytest.mark.parametrize("policy", ["dense", "sink"])
+def test_a_draft_on_the_targets_cache_leaves_it_as_it_was(models, policy):
+    """Drafting writes to the target's cache and takes it all back: the cache holds what it
+    held, also when the draft is interrupted (Ctrl-C) in the middle."""
+    llm = tinyrt.LLM(models["target"], device="reference", kv_size=24, kv_policy=policy,
+                     draft=models["copy"])
+    d, cache = llm.drafter, llm.cache
+    llm.model.forward(list(range(5, 5 + 30 if policy == "sink" else 5 + 12)), cache)
+
+    def state():
+        return cache.next_pos, cache.length, cache.span, cache.slot_positions().copy()
+
+    before = state()
+    d.confidence = 0.0
+    drafts, _ = d.propose(8, 4, lambda logits, drafts: (int(np.argmax(logits)), None, 1.0))
+    assert len(drafts) == 4 and _same(state(), before)
+
+    def interrupted(logits, drafts):
+        if len(drafts) == 2:
+            raise KeyboardInterrupt
+        return int(np.argmax(logits)), None, 1.0
+
+    with pytest.raises(KeyboardInterrupt):
+        d.propose(8, 4, interrupted)
+    assert _same(state(), before)
+
+
+def _same(a, b) -> bool:
+    return a[:3] == b[:3] and np.array_equal(a[3], b[3])
+
+
 def test_verification_rows_are_the_decode_steps_logits(models):
     """A float target's pass over a draft gives each position, to the bit, the logits a
     one-token decode step gives it (cpu: the few-token kernels compute what one token's do), so
@@ -204,6 +249,7 @@ def test_default_model_greedy_with_its_awq_draft(smol_f16, smol_awq):
     """The bar's pair: the float default model with its AWQ version as the draft."""
     target = tinyrt.LLM(smol_f16, device="cpu", kv_size=512)
     llm = tinyrt.LLM(smol_f16, device="cpu", kv_size=512, draft=smol_awq)
+    assert llm.drafter.shared                    # a quantized copy: it reads the target's cache
     ids = target.prompt_ids("Give me three tips for learning a new language.")
     want = plain(target, ids, 40, temperature=0)
     for gamma in range(1, 9):
@@ -243,12 +289,14 @@ def test_lookup_drafter_proposes_what_followed_the_last_ngram():
     assert d.propose(9, 2, None) == ([4, 9], None)           # ... 9 4 9: the latest 9 before
 
 
-def test_speculative_sink_cache_streams_across_wraparounds(models):
-    """A sink cache of 24 with a draft: 300 tokens through many wrap-arounds; the output is the
-    target's until a pass first moves the window (after it, the target reads each draft as it
-    reads a prompt chunk, see kv_cache.SinkCache: the same tokens but for near ties)."""
+@pytest.mark.parametrize("draft", ["near", "copy"])
+def test_speculative_sink_cache_streams_across_wraparounds(models, draft):
+    """A sink cache of 24 with a draft (its own cache or the target's): 300 tokens through many
+    wrap-arounds; the output is the target's until a pass first moves the window (after it, the
+    target reads each draft as it reads a prompt chunk, see kv_cache.SinkCache: the same tokens
+    but for near ties)."""
     target = tinyrt.LLM(models["target"], kv_size=24, kv_policy="sink")
-    llm = tinyrt.LLM(models["target"], kv_size=24, kv_policy="sink", draft=models["near"])
+    llm = tinyrt.LLM(models["target"], kv_size=24, kv_policy="sink", draft=models[draft])
     ids = [11, 12, 13]
     want = plain(target, ids, 300, temperature=0)
     got, s = speculative(llm, ids, 300, 4, adapt=True, temperature=0)
@@ -259,19 +307,19 @@ def test_speculative_sink_cache_streams_across_wraparounds(models):
 
 def test_chat_with_a_draft_is_the_chat_without(models):
     """Multi-turn reuse and replies cut by max_tokens (the caches give back what the caller did
-    not take): the same replies as without a draft."""
+    not take): the same replies as without a draft, on its own cache or the target's."""
     replies = []
-    for draft in (None, models["near"]):
+    for draft in (None, models["near"], models["copy"]):
         llm = tinyrt.LLM(models["target"], kv_size=512, draft=draft)
         chat = tinyrt.ChatSession(llm, temperature=0)
         out = []
         for text, n in [("hello", 7), ("quick fox", 3), ("def f(x)", 11), ("naïve", 5)]:
             out.append("".join(r.text for r in chat.send(text, max_tokens=n)))
-            if draft:          # the draft kept step: it holds what the target holds
+            if draft == models["near"]:      # kept step: it holds what the target holds
                 d = llm.drafter
                 assert d.synced == llm.cache.next_pos == d.cache.next_pos + len(d.pending)
         replies.append((out, llm.cache.next_pos))
-    assert replies[0] == replies[1]
+    assert replies[0] == replies[1] == replies[2]
 
 
 def test_draft_errors(models, tmp_path):

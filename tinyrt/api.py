@@ -18,7 +18,7 @@ from .models import load_model, trim_heap
 from .registry import resolve
 from .sampling import Sampler, SamplingParams
 from .speculative import (MAX_GAMMA, LookupDrafter, ModelDrafter, SpeculativeGeneration,
-                          check_compatible, first_layers)
+                          check_compatible, first_layers, shares_cache)
 from .tokenizer import load_tokenizer
 
 DEFAULT_KV_SIZE = 4096
@@ -100,12 +100,18 @@ class LLM:
                 n = int(draft.split(":", 1)[1])
             except ValueError:
                 raise TinyrtError(f"--draft {draft}: N in layers:N is a number of layers") from None
-            model = first_layers(self.model, n)
-            return ModelDrafter(model, cache(model.config), draft)
+            return self._model_drafter(first_layers(self.model, n), draft, cache)
         directory = resolve(draft, quiet=True)
         model = load_model(directory, self.backend)
         check_compatible(self.tokenizer, load_tokenizer(directory), self.config, model.config)
-        return ModelDrafter(model, cache(model.config), Path(directory).name)
+        return self._model_drafter(model, Path(directory).name, cache)
+
+    def _model_drafter(self, model, name: str, cache) -> ModelDrafter:
+        """A draft model on this model's KV cache where it is a copy of this model (see
+        speculative.shares_cache), else on a cache of its own."""
+        if shares_cache(self.model, model):
+            return ModelDrafter(model, self.cache, name, shared=True)
+        return ModelDrafter(model, cache(model.config), name)
 
     # -- prompts ------------------------------------------------------------------------------
 
