@@ -4,13 +4,14 @@
         [--layers 6 10] [--confidence 0.1 0.3] [--own-cache]
 
 For each prompt (open chat, and a summarise-this-text prompt that a reply may quote), the
-decode speed (median of the runs) of: the target alone; the target with the draft model (at
-each draft confidence given: the probability of its whole draft below which the draft stops;
-with --own-cache, also on a KV cache of its own instead of the target's); the target with
-prompt lookup; and, for the draft (an AWQ model) as a target of its own, that model alone and
-with its own first N layers as the draft (`layers:N`). Runs alternate between configurations;
-a speed-up is the median (and range) of each run's ratio to its reference's run in the same
-round. Every speculative reply is checked token for token against its target's.
+decode speed and the time to the first token (medians of the runs) of: the target alone; the
+target with the draft model (at each draft confidence given: the probability of its whole draft
+below which the draft stops; with --own-cache, also on a KV cache of its own instead of the
+target's); the target with prompt lookup; and, for the draft (an AWQ model) as a target of its
+own, that model alone and with its own first N layers as the draft (`layers:N`). Runs alternate
+between configurations; a speed-up is the median (and range) of each run's ratio to its
+reference's run in the same round. Every speculative reply is checked token for token against
+its target's.
 """
 
 import argparse
@@ -79,17 +80,18 @@ def main():
     prompts = {f"chat {i + 1}": q for i, q in enumerate(CHAT)}
     prompts["summarise"] = summarise_prompt()
     for name, prompt in prompts.items():
-        speed = {c: [] for c in configs}
+        speed, ttft = {c: [] for c in configs}, {c: [] for c in configs}
         stats, outputs = {}, {}
         for _ in range(args.runs):
             for c, (llm, _ref) in configs.items():
                 ids, t = run(llm, prompt, args.tokens)
                 speed[c].append(t.decode_tok_s)
+                ttft[c].append(t.ttft_s)
                 outputs[c], stats[c] = ids, t.speculative
         print(f"{name} ({len(outputs['target'])} tokens):")
         for c, (_llm, ref) in configs.items():
             tok_s = statistics.median(speed[c])
-            line = f"  {c:16s} {tok_s:6.1f} tok/s"
+            line = f"  {c:16s} {tok_s:6.1f} tok/s, first token {statistics.median(ttft[c]) * 1e3:4.0f} ms"
             if ref is not None:
                 s = stats[c]
                 same = "identical" if outputs[c] == outputs[ref] else "DIFFERENT"

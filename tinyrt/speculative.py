@@ -22,8 +22,9 @@ a greedy target keeps more of a quantized copy's tokens than the copy's probabil
 two rank their candidates alike: of the default model's AWQ draft's tokens, 59 % of those it
 gave less than 0.3 were the target's own).
 
-Both caches roll back what the target rejects; a sink cache keeps gamma + 1 slots of slack for
-that (kv_cache.SinkCache). The h2o policy cannot roll back an eviction, so it takes no draft.
+The caches roll back what the target rejects (a draft on the target's cache, its drafts too); a
+sink cache keeps gamma + 1 slots of slack for that (kv_cache.SinkCache). The h2o policy cannot
+roll back an eviction, so it takes no draft.
 """
 
 from __future__ import annotations
