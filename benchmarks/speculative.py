@@ -69,7 +69,7 @@ def main():
         llm = load(args.target, args.draft)
         m = llm.drafter.model
         cache = make_cache("dense", m.config.num_hidden_layers, m.config.num_key_value_heads,
-                           m.config.head_dim, 2048, m.backend)
+                           m.config.head_dim, llm.cache.capacity, m.backend)
         llm.drafter = ModelDrafter(m, cache, llm.drafter.name)
         configs["+ draft own cache"] = (llm, "target")
     configs["+ lookup"] = (load(args.target, "lookup"), "target")
@@ -91,7 +91,8 @@ def main():
         print(f"{name} ({len(outputs['target'])} tokens):")
         for c, (_llm, ref) in configs.items():
             tok_s = statistics.median(speed[c])
-            line = f"  {c:16s} {tok_s:6.1f} tok/s, first token {statistics.median(ttft[c]) * 1e3:4.0f} ms"
+            first_ms = statistics.median(ttft[c]) * 1e3
+            line = f"  {c:16s} {tok_s:6.1f} tok/s, first token {first_ms:4.0f} ms"
             if ref is not None:
                 s = stats[c]
                 same = "identical" if outputs[c] == outputs[ref] else "DIFFERENT"
