@@ -28,9 +28,10 @@ from soak import rss_mb
 
 
 def stream(llm, text, policy, size, sinks, tokens, progress=None, skip=0):
+    from tinyrt.kv_cache import CacheOptions
     from tinyrt.perplexity import stream_perplexity
 
-    return stream_perplexity(llm, text, policy=policy, kv_size=size, sinks=sinks,
+    return stream_perplexity(llm, text, CacheOptions(policy, size, sinks=sinks),
                              max_tokens=tokens, skip=skip, progress=progress)
 
 
@@ -107,9 +108,9 @@ def budget(llm, text, args):
 
 
 def speed(llm, args):
-    from tinyrt.kv_cache import make_cache
+    from tinyrt.kv_cache import CacheOptions, make_cache
 
-    cfg, model = llm.config, llm.model
+    model = llm.model
     ids = np.random.default_rng(0).integers(100, 10000, 2 * args.kv_size)
     # every cache holds kv_size tokens at each step: dense appends its last free slot's token
     # and rolls it back, over and over; sink and h2o stream on, evicting
@@ -117,8 +118,8 @@ def speed(llm, args):
                "h2o": 2 * args.kv_size - 128}
     caches, steps = {}, {policy: [] for policy in prompts}
     for policy, prompt in prompts.items():
-        caches[policy] = make_cache(policy, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                    cfg.head_dim, args.kv_size, llm.backend, llm.cache.k.dtype, 4)
+        caches[policy] = make_cache(CacheOptions(policy, args.kv_size, llm.cache_options.kv_type),
+                                    model)
         model.forward(ids[:prompt], caches[policy])
     # the policies take turns, token by token, so that a change in the machine's load falls on
     # all three alike

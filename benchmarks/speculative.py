@@ -25,7 +25,7 @@ CHAT = [
 
 
 def summarise_prompt() -> str:
-    from tinyrt.converters.calibration import default_text
+    from tinyrt.sample_text import default_text
 
     text = default_text()
     start = text.find("\n\n", len(text) // 3)
@@ -68,8 +68,7 @@ def main():
 
         llm = load(args.target, args.draft)
         m = llm.drafter.model
-        cache = make_cache("dense", m.config.num_hidden_layers, m.config.num_key_value_heads,
-                           m.config.head_dim, llm.cache.capacity, m.backend)
+        cache = make_cache(llm.cache_options, m)
         llm.drafter = ModelDrafter(m, cache, llm.drafter.name)
         configs["+ draft own cache"] = (llm, "target")
     configs["+ lookup"] = (load(args.target, "lookup"), "target")

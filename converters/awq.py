@@ -28,19 +28,23 @@ I 11008, vocab 32000) at 2k tokens: 0.63 + 2.4 + 1.0 GB, about 4 GB: a 16 GB mac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
 from tinyrt.kernels import reference as ops
-from tinyrt.models.config import LlamaConfig
+from tinyrt.models import Layer, model_class
+from tinyrt.models.config import ModelConfig
+from tinyrt.models.llama import LINEARS, NORMS
 from tinyrt.models.rope import rope_inv_freq
 
 from .quantize import fake_quantize, pack_linear
 
 LossFn = Callable[[list[np.ndarray]], float]
 ATTN_BLOCK = 128  # queries per block in calibration attention
+OPS = ops.ReferenceBackend()        # the model's own layer runs on the reference ops
 
 
 @dataclass(frozen=True)
@@ -56,51 +60,52 @@ class QuantOptions:
     propagate_quantized: bool = True  # next layer's input: the quantized layer's output (else float)
 
 
-def peak_bytes(cfg: LlamaConfig, n_tokens: int) -> int:
+def peak_bytes(cfg: ModelConfig, n_tokens: int) -> int:
     """Estimated peak of the calibration above the interpreter's (see the module docstring)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     layer = 2 * cfg.q_size * H + 2 * cfg.kv_size * H + 3 * H * I
     return 4 * (n_tokens * (8 * H + 4 * I) + 3 * layer + 2 * cfg.vocab_size * H)
 
 
-# -- the float layer, batched over calibration sequences ---------------------------------------
+# -- the model's own layer, batched over calibration sequences -----------------------------------
 
-Layer = dict  # one decoder layer's float32 weights: norms and linears [out, in] by short name
-
-
-def attention(cfg: LlamaConfig, xn: np.ndarray, wq, wk, wv, wo, cos, sin):
-    """xn [N, T, H] (normed) -> (o_proj input [N, T, Q*D], attention block output [N, T, H])."""
-    N, T, H = xn.shape
-    Q, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    flat = xn.reshape(N * T, H)
-    q = ops.rope((flat @ wq.T).reshape(N, T, Q, D), cos, sin)
-    k = ops.rope((flat @ wk.T).reshape(N, T, G, D), cos, sin).transpose(0, 2, 1, 3)
-    v = (flat @ wv.T).reshape(N, T, G, D).transpose(0, 2, 1, 3)
-    pos = np.arange(T)
-    a = np.empty((N, T, Q, D), np.float32)
-    for b in range(0, T, ATTN_BLOCK):  # a block of queries sees only the keys up to its end
-        e = min(b + ATTN_BLOCK, T)
-        a[:, b:e] = ops.attention(q[:, b:e], k[:, :, :e], v[:, :, :e], pos[b:e], pos[:e],
-                                  D ** -0.5, cfg.sliding_window)
-    a = a.reshape(N * T, Q * D)
-    return a.reshape(N, T, Q * D), (a @ wo.T).reshape(N, T, H)
+Weights = dict  # one decoder layer's float32 tensors by HF name (norms, linears' .weight, biases)
 
 
-def mlp(xn: np.ndarray, wg, wu, wd):
-    """xn [N, T, H] -> (down_proj input [N, T, I], MLP output [N, T, H])."""
-    N, T, H = xn.shape
-    flat = xn.reshape(N * T, H)
-    act = ops.silu_mul(flat @ wg.T, flat @ wu.T)
-    return act.reshape(N, T, -1), (act @ wd.T).reshape(N, T, H)
+def causal_attend(cfg: ModelConfig) -> Callable:
+    """Attention of sequences over themselves, for the model's layer: q [N, T, Q, D] and k, v
+    [N, T, G, D] -> [N, T, Q, D], a block of queries at a time (it sees the keys up to its end)."""
+    def attend(q, k, v):
+        N, T, Q, D = q.shape
+        k, v, pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), np.arange(T)
+        a = np.empty((N, T, Q, D), np.float32)
+        for b in range(0, T, ATTN_BLOCK):
+            e = min(b + ATTN_BLOCK, T)
+            a[:, b:e] = ops.attention(q[:, b:e], k[:, :, :e], v[:, :, :e], pos[b:e], pos[:e],
+                                      D ** -0.5, cfg.sliding_window)
+        return a
+    return attend
 
 
-def layer_forward(cfg: LlamaConfig, x: np.ndarray, L: Layer, cos, sin) -> np.ndarray:
-    eps = cfg.rms_norm_eps
-    _, attn = attention(cfg, ops.rmsnorm(x, L["input_norm"], eps), L["q"], L["k"], L["v"], L["o"],
-                        cos, sin)
-    h = x + attn
-    _, out = mlp(ops.rmsnorm(h, L["post_norm"], eps), L["gate"], L["up"], L["down"])
-    return h + out
+def make_layer(cfg: ModelConfig, w: Weights, i: int) -> Layer:
+    """The model's Layer i of float32 weights `w` (full HF names)."""
+    return model_class(cfg).make_layer(i, OPS, w.__getitem__, lambda n: w[n + ".weight"])
+
+
+def layer_forward(cfg: ModelConfig, x: np.ndarray, w: Weights, i: int, cos, sin) -> np.ndarray:
+    """The model's layer i over calibration sequences x [N, T, H]."""
+    return model_class(cfg).layer(OPS, cfg, make_layer(cfg, w, i), x, cos, sin, causal_attend(cfg))
+
+
+class _Recorder(ops.ReferenceBackend):
+    """The reference ops, keeping the input of each linear the layer runs, by weight."""
+
+    def __init__(self):
+        self.inputs: dict[int, np.ndarray] = {}
+
+    def linear(self, x, w):
+        self.inputs[id(w)] = x
+        return ops.linear(x, w)
 
 
 # -- searches ------------------------------------------------------------------------------------
@@ -167,81 +172,87 @@ def apply_clip(w: np.ndarray, max_val: np.ndarray, g: int) -> np.ndarray:
 
 # -- one layer -------------------------------------------------------------------------------------
 
-def awq_layer(cfg: LlamaConfig, L: Layer, x: np.ndarray, cos, sin, opts: QuantOptions) -> Layer:
-    """Scale, clip (AWQ) the float layer L for the calibration input x [N, T, H]; returns the layer
-    with scales folded in and clipping applied, still float (quantized by the caller)."""
-    eps = cfg.rms_norm_eps
-    w = dict(L)
-    xa = ops.rmsnorm(x, w["input_norm"], eps)
-    o_in, attn_out = attention(cfg, xa, w["q"], w["k"], w["v"], w["o"], cos, sin)
-    h = x + attn_out
-    xm = ops.rmsnorm(h, w["post_norm"], eps)
-    act, mlp_out = mlp(xm, w["gate"], w["up"], w["down"])
+def awq_layer(cfg: ModelConfig, w: Weights, i: int, x: np.ndarray, cos, sin,
+              opts: QuantOptions) -> Weights:
+    """Scale, clip (AWQ) the float layer i, weights `w`, for the calibration input x [N, T, H];
+    returns its weights with scales folded in and clipping applied, still float (quantized by
+    the caller). The model's own layer makes the inputs of each linear and the outputs that the
+    searches compare against."""
+    model, p = model_class(cfg), f"model.layers.{i}."
+    w = dict(w)
+    (q, k, v), (o,), (gate, up), (down,) = ([p + n + ".weight" for n in LINEARS[f]]
+                                            for f in ("qkv", "o", "gate_up", "down"))
+    in_norm, post_norm = (p + NORMS[f] + ".weight" for f in ("input_norm", "post_norm"))
+    L, rec, attend = make_layer(cfg, w, i), _Recorder(), causal_attend(cfg)
+    model.layer(rec, cfg, L, x, cos, sin, attend)
+    xa, o_in, xm, act = (rec.inputs[id(getattr(L, f))] for f in LINEARS)   # linears' inputs
+    attn_out, mlp_out = ops.linear(o_in, L.o), ops.linear(act, L.down)
     flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
 
-    # 2. scales, each searched against the float layer
-    s_qkv = search_scales(flat(xa), [w["q"], w["k"], w["v"]], output_mse(
-        lambda W: attention(cfg, xa, *W, w["o"], cos, sin)[1], attn_out), opts)
+    # 2. scales, each searched against the float layer's own outputs
+    s_qkv = search_scales(flat(xa), [w[q], w[k], w[v]], output_mse(
+        lambda W: model.attention(OPS, cfg, dataclasses.replace(L, qkv=np.concatenate(W)), xa,
+                                  cos, sin, attend), attn_out), opts)
     s_o = None
-    if w["v"].shape == w["o"].shape:
-        s_o = search_scales(flat(o_in), [w["o"]], linear_mse(flat(o_in), w["o"]), opts)
-    s_gu = search_scales(flat(xm), [w["gate"], w["up"]], output_mse(
-        lambda W: mlp(xm, W[0], W[1], w["down"])[1], mlp_out), opts)
-    s_d = search_scales(flat(act), [w["down"]], linear_mse(flat(act), w["down"]), opts)
+    if w[v].shape == w[o].shape:
+        s_o = search_scales(flat(o_in), [w[o]], linear_mse(flat(o_in), w[o]), opts)
+    s_gu = search_scales(flat(xm), [w[gate], w[up]], output_mse(
+        lambda W: model.mlp(OPS, dataclasses.replace(L, gate_up=np.concatenate(W)), xm),
+        mlp_out), opts)
+    s_d = search_scales(flat(act), [w[down]], linear_mse(flat(act), w[down]), opts)
 
     # fold: W * s on the columns of each linear, 1/s into the op that produces its input
-    w["input_norm"] = w["input_norm"] / s_qkv
-    for k in ("q", "k", "v"):
-        w[k] = w[k] * s_qkv
-    feats = {"v": flat(xa) / s_qkv, "o": flat(o_in), "gate": flat(xm) / s_gu, "up": flat(xm) / s_gu,
-             "down": flat(act) / s_d}
+    w[in_norm] = w[in_norm] / s_qkv
+    for n in (q, k, v):
+        w[n] = w[n] * s_qkv
+    feats = {v: flat(xa) / s_qkv, o: flat(o_in), gate: flat(xm) / s_gu, up: flat(xm) / s_gu,
+             down: flat(act) / s_d}
     if s_o is not None:
-        w["v"] = w["v"] / s_o[:, None]
-        w["o"] = w["o"] * s_o
-        feats["o"] = feats["o"] / s_o
-    w["post_norm"] = w["post_norm"] / s_gu
-    w["gate"], w["up"] = w["gate"] * s_gu, w["up"] * s_gu
-    w["up"] = w["up"] / s_d[:, None]
-    w["down"] = w["down"] * s_d
+        w[v] = w[v] / s_o[:, None]
+        w[o] = w[o] * s_o
+        feats[o] = feats[o] / s_o
+        if p + LINEARS["qkv"][2] + ".bias" in w:       # v's bias, like its rows
+            w[p + LINEARS["qkv"][2] + ".bias"] = w[p + LINEARS["qkv"][2] + ".bias"] / s_o
+    w[post_norm] = w[post_norm] / s_gu
+    w[gate], w[up] = w[gate] * s_gu, w[up] * s_gu
+    w[up] = w[up] / s_d[:, None]
+    w[down] = w[down] * s_d
 
     # 3. clipping (not q, k)
     if opts.clip:
-        for k, feat in feats.items():
-            w[k] = apply_clip(w[k], search_clip(feat, w[k], opts), opts.group_size)
+        for n, feat in feats.items():
+            w[n] = apply_clip(w[n], search_clip(feat, w[n], opts), opts.group_size)
     return w
 
 
-LINEAR_KEYS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-               "down": "mlp.down_proj"}
-NORM_KEYS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
-
-
-def quantize_model(cfg: LlamaConfig, get: Callable[[str], np.ndarray], calib: np.ndarray | None,
+def quantize_model(cfg: ModelConfig, get: Callable[[str], np.ndarray], calib: np.ndarray | None,
                    opts: QuantOptions, progress: Callable[[int, int], None] | None = None
                    ) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-    """Yield (layer prefix, tensors) for each decoder layer: the two norms (float32) and each
-    linear's qweight/qzeros/scales. `get(name)` returns a float source tensor (HF name and layout);
-    `calib` [N, T] token ids (AWQ only)."""
+    """Yield (layer prefix, tensors) for each decoder layer: its float tensors (norms, biases;
+    float32) and each linear's qweight/qzeros/scales. `get(name)` returns a float source tensor
+    (HF name and layout); `calib` [N, T] token ids (AWQ only)."""
     x = cos = sin = None
     if opts.method == "awq":
         x = get("model.embed_tokens.weight")[calib].astype(np.float32)      # [N, T, H]
         cos, sin = ops.rope_tables(rope_inv_freq(cfg), np.arange(calib.shape[1]))
+    float_cfg = dataclasses.replace(cfg, quantization_config=None)
+    names = list(model_class(cfg).expected_shapes(float_cfg))
+    linears = {n + ".weight" for n in model_class(cfg).linear_shapes(cfg)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        L = {k: get(p + n + ".weight").astype(np.float32)
-             for k, n in {**LINEAR_KEYS, **NORM_KEYS}.items()}
-        L_float = L
-        if opts.method == "awq":
-            L = awq_layer(cfg, L, x, cos, sin, opts)
-        tensors = {p + n + ".weight": L[k] for k, n in NORM_KEYS.items()}
-        deq = dict(L)
-        for k, n in LINEAR_KEYS.items():
-            packed = pack_linear(L[k], opts.group_size, opts.bits)
-            tensors.update({f"{p}{n}.{part}": t for part, t in packed.items()})
-            deq[k] = fake_quantize(L[k], opts.group_size, opts.bits)
+        w_float = {n: get(n).astype(np.float32) for n in names if n.startswith(p)}
+        w = awq_layer(cfg, w_float, i, x, cos, sin, opts) if opts.method == "awq" else w_float
+        tensors, deq = {}, dict(w)
+        for n, t in w.items():
+            if n not in linears:
+                tensors[n] = t
+                continue
+            module = n[:-len(".weight")]
+            tensors.update({f"{module}.{part}": a
+                            for part, a in pack_linear(t, opts.group_size, opts.bits).items()})
+            deq[n] = fake_quantize(t, opts.group_size, opts.bits)
         if x is not None and i + 1 < cfg.num_hidden_layers:
-            x = layer_forward(cfg, x, deq if opts.propagate_quantized else L_float, cos, sin)
+            x = layer_forward(cfg, x, deq if opts.propagate_quantized else w_float, i, cos, sin)
         yield p, tensors
         if progress:
             progress(i + 1, cfg.num_hidden_layers)

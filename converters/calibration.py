@@ -11,16 +11,10 @@ from typing import Callable
 import numpy as np
 
 from tinyrt.errors import TinyrtError
+from tinyrt.sample_text import default_text  # noqa: F401  (the default calibration text)
 
 DEFAULT_SAMPLES = 4
 DEFAULT_SEQLEN = 512
-
-
-def default_text() -> str:
-    """The Python documentation topics of this Python (about 465k characters for 3.11)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def read_text(path: str | Path) -> str:

@@ -3,6 +3,7 @@ weights (method "none") or 4-bit AWQ / round-to-nearest in the AutoAWQ GEMM layo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -10,12 +11,11 @@ import numpy as np
 
 from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import awq_layout
-from tinyrt.models.config import LlamaConfig
-from tinyrt.models.llama import expected_shapes, linear_shapes
+from tinyrt.models import ModelConfig, expected_shapes, linear_shapes
 from tinyrt.models.weights import write_safetensors
 
 from . import calibration
-from .awq import LINEAR_KEYS, NORM_KEYS, QuantOptions, quantize_model
+from .awq import QuantOptions, quantize_model
 from .sources import Source, open_source
 from .writer import atomic_directory, write_json
 
@@ -28,7 +28,7 @@ GROUP_SIZES = (128, 64, 32)
 Progress = Callable[[int, int, str], None]
 
 
-def check_tensors(source: Source, cfg: LlamaConfig) -> list[str]:
+def check_tensors(source: Source, cfg: ModelConfig) -> list[str]:
     """The tensors to carry over, in the source's order; a clear error for any missing, misshapen
     or unexpected tensor, before anything is written."""
     expected = expected_shapes(cfg)
@@ -50,7 +50,7 @@ def check_tensors(source: Source, cfg: LlamaConfig) -> list[str]:
     return names
 
 
-def choose_group_size(cfg: LlamaConfig, requested: int | None) -> int:
+def choose_group_size(cfg: ModelConfig, requested: int | None) -> int:
     """The requested group size if it divides every linear layer's input, else a clear error; with
     none requested, the largest of 128, 64, 32 that does."""
     dims = linear_shapes(cfg)
@@ -92,38 +92,40 @@ def _cast(a: np.ndarray, np_dtype, name: str, where) -> np.ndarray:
     return b
 
 
-def _quantized_tensors(source: Source, cfg: LlamaConfig, opts: QuantOptions, calib_ids,
+def _quantized_tensors(source: Source, cfg: ModelConfig, opts: QuantOptions, calib_ids,
                        np_dtype, progress: Progress | None) -> Iterator[tuple[str, np.ndarray]]:
-    yield "model.embed_tokens.weight", _cast(source.get("model.embed_tokens.weight"), np_dtype,
-                                              "model.embed_tokens.weight", source.path)
+    """The tensors of a quantized model in the order of `_quantized_specs`."""
+    def own(name):
+        return name, _cast(source.get(name), np_dtype, name, source.path)
+
+    yield own("model.embed_tokens.weight")
     layers = quantize_model(cfg, source.get, calib_ids, opts,
                             progress and (lambda d, t: progress(d, t, "layers")))
     for _, tensors in layers:
         for name, t in tensors.items():
             yield name, (t if t.dtype in (np.int32, np.float16) else _cast(t, np_dtype, name, source.path))
-    yield "model.norm.weight", _cast(source.get("model.norm.weight"), np_dtype, "model.norm.weight",
-                                     source.path)
+    yield own("model.norm.weight")
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", _cast(source.get("lm_head.weight"), np_dtype, "lm_head.weight",
-                                      source.path)
+        yield own("lm_head.weight")
 
 
-def _quantized_specs(cfg: LlamaConfig, g: int, np_dtype) -> list[tuple[str, np.dtype, tuple]]:
-    """File order of a quantized model, as `_quantized_tensors` yields it."""
-    H, V = cfg.hidden_size, cfg.vocab_size
-    dims = linear_shapes(cfg)
-    specs = [("model.embed_tokens.weight", np_dtype, (V, H))]
+def _quantized_specs(cfg: ModelConfig, g: int, np_dtype) -> list[tuple[str, np.dtype, tuple]]:
+    """File order of a quantized model, as `_quantized_tensors` yields it: the embedding, each
+    layer's tensors as awq.quantize_model yields them, the final norm and the head."""
+    qcfg = dataclasses.replace(cfg, quantization_config={"quant_method": "awq", "bits": 4,
+                                                         "group_size": g})
+    shapes = expected_shapes(qcfg)
     part_dtypes = {"qweight": np.int32, "qzeros": np.int32, "scales": np.float16}
+
+    def spec(name):
+        return name, part_dtypes.get(name.rsplit(".", 1)[1], np_dtype), shapes[name]
+
+    specs = [spec("model.embed_tokens.weight")]
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        specs += [(p + n + ".weight", np_dtype, (H,)) for n in NORM_KEYS.values()]
-        for n in LINEAR_KEYS.values():
-            out_f, in_f = dims[p + n]
-            for part, shape in awq_layout.shapes(in_f, out_f, g).items():
-                specs.append((f"{p}{n}.{part}", part_dtypes[part], shape))
-    specs.append(("model.norm.weight", np_dtype, (H,)))
+        specs += [spec(n) for n in shapes if n.startswith(f"model.layers.{i}.")]
+    specs.append(spec("model.norm.weight"))
     if not cfg.tie_word_embeddings:
-        specs.append(("lm_head.weight", np_dtype, (V, H)))
+        specs.append(spec("lm_head.weight"))
     return specs
 
 
@@ -156,7 +158,7 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
     if out.exists() and not force:
         raise TinyrtError(f"{out} already exists (use --force to replace it)")
     source = open_source(src)
-    cfg = LlamaConfig.from_dict(source.config)
+    cfg = ModelConfig.from_dict(source.config)
     names = check_tensors(source, cfg)
     np_dtype = FLOAT_DTYPES[dtype]
     config = {k: v for k, v in source.config.items() if k != "quantization_config"}
@@ -198,7 +200,7 @@ def bits_per_weight(directory: str | Path) -> tuple[float, float]:
     from tinyrt.models.weights import WeightStore
 
     store = WeightStore(directory)
-    cfg = LlamaConfig.from_file(Path(directory) / "config.json")
+    cfg = ModelConfig.from_file(Path(directory) / "config.json")
     lin_bits = lin_n = 0
     for name, (o, i) in linear_shapes(cfg).items():
         parts = [k for k in store.keys() if k.startswith(name + ".")]

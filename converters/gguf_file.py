@@ -10,34 +10,22 @@ from typing import Any, Iterator
 import numpy as np
 
 from tinyrt.errors import ModelFormatError
+from tinyrt.models.families import gguf_family
+from tinyrt.models.llama import GGUF_GLOBAL, GGUF_LAYER
 
-# GGUF tensor name -> HF name ({} is the layer index)
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-SUPPORTED_ARCHS = ("llama", "mistral")
+# GGUF name -> HF name, from the one table of tensor names (models.llama)
+_LAYER_NAMES = {g: hf for hf, g in GGUF_LAYER.items()}
+_GLOBAL_NAMES = {g: hf for hf, g in GGUF_GLOBAL.items()}
 
 
 def hf_name(name: str) -> str | None:
     """HF tensor name for a GGUF tensor name, or None for tensors we do not carry over."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    module, _, kind = name.rpartition(".")
+    if module in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[module]}.{kind}"
+    parts = module.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
     return None
 
 
@@ -75,9 +63,10 @@ class GGUFFile:
             self.tensors[t.name] = t
         self._gguf_names = {hf_name(n): n for n in self.tensors if hf_name(n)}
         self.arch = self.get("general.architecture")
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ModelFormatError(f"{self.path}: unsupported architecture {self.arch!r} "
-                                   f"(tinyrt runs {', '.join(SUPPORTED_ARCHS)})")
+        try:
+            self.family = gguf_family(self.arch)
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{self.path}: {e}") from None
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value (scalars as Python values, arrays as lists)."""
@@ -109,8 +98,8 @@ class GGUFFile:
         if "token_embd.weight" in self.tensors:
             vocab = int(self.tensors["token_embd.weight"].shape[-1])
         cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.family.architecture],
+            "model_type": self.family.model_type,
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(self._arch("feed_forward_length")),
@@ -126,7 +115,7 @@ class GGUFFile:
             "torch_dtype": "float32",
         }
         window = self._arch("attention.sliding_window")
-        if window:
+        if window and self.family.model_type in ("llama", "mistral"):
             cfg["model_type"], cfg["architectures"] = "mistral", ["MistralForCausalLM"]
             cfg["sliding_window"] = int(window)
         scaling = self._rope_scaling(cfg)
@@ -150,13 +139,13 @@ class GGUFFile:
         # Llama 3.1 files store the per-frequency divisors as a tensor, not the parameters. Accept
         # them only if the standard llama3 parameters reproduce the tensor.
         freqs = self.tensor("rope_freqs.weight").astype(np.float64).ravel()
-        from tinyrt.models.config import LlamaConfig
+        from tinyrt.models.config import ModelConfig
         from tinyrt.models.rope import rope_inv_freq
 
         scaling = {"rope_type": "llama3", "factor": float(freqs.max()), "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        base = LlamaConfig.from_dict({**cfg, "rope_scaling": None})
-        scaled = LlamaConfig.from_dict({**cfg, "rope_scaling": scaling})
+        base = ModelConfig.from_dict({**cfg, "rope_scaling": None})
+        scaled = ModelConfig.from_dict({**cfg, "rope_scaling": scaling})
         if np.allclose(rope_inv_freq(base) / rope_inv_freq(scaled), freqs, rtol=1e-3):
             return scaling
         raise ModelFormatError(f"{self.path}: its rope_freqs tensor matches no rope scaling that "
@@ -185,7 +174,7 @@ class GGUFFile:
         heads = self._arch("attention.head_count")
         if hf.endswith("k_proj.weight"):
             heads = self._arch("attention.head_count_kv", heads)
-        if hf.endswith(("q_proj.weight", "k_proj.weight")):
+        if self.family.gguf_permuted_qk and hf.endswith(("q_proj.weight", "k_proj.weight")):
             if not isinstance(heads, int) or heads <= 0 or w.shape[0] % (2 * heads):
                 raise ModelFormatError(f"{self.path}: tensor {name} {list(w.shape)} does not "
                                        f"split into {heads} heads")

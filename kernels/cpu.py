@@ -577,19 +577,22 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, score=None, bloc
 
 @njit(fastmath=True, cache=True)
 def decode_layer(x, in_norm, post_norm, eps,
-                 qkv_w, qkv_s, qkv_z, o_w, o_s, o_z, gu_w, gu_s, gu_z, d_w, d_s, d_z,
+                 qkv_w, qkv_s, qkv_z, qkv_b, o_w, o_s, o_z, gu_w, gu_s, gu_z, d_w, d_s, d_z,
                  k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
     """A few tokens x [T, H] (a decode step, a draft's verification) through one decoder layer
     of 4-bit linears, in place; their K/V go to `slots` [G, T] of the cache buffers k_buf,
     v_buf [G, S, D] (k_pos [G, S] already holds their positions `pos` [T]; score as for
-    attention_decode). The same ops as the decoder (models.llama) runs one by one, in a single
-    call, so the costs of a call from Python are paid once per layer; each token's result is
-    the one it gets alone, to the bit."""
+    attention_decode); qkv_b [(Q+2G)*D] the q/k/v biases, or empty: none. The ops of the model
+    file's layer (models.llama LlamaModel.layer) in a single call, so the costs of a call from
+    Python are paid once per layer; each token's result is the one it gets alone, to the bit."""
     T, H = x.shape
     G, D = k_buf.shape[0], k_buf.shape[2]
     Qd, Gd = n_heads * D, G * D
     qkv = np.empty((T, Qd + 2 * Gd), np.float32)
     q4_gemv(rmsnorm(x, in_norm, eps), qkv_w, qkv_s, qkv_z, qkv, threads)
+    if qkv_b.shape[0]:
+        for t in range(T):
+            qkv[t] += qkv_b
     q = rope(np.ascontiguousarray(qkv[:, :Qd]).reshape(T, n_heads, D), cos, sin)
     k = rope(np.ascontiguousarray(qkv[:, Qd:Qd + Gd]).reshape(T, G, D), cos, sin)
     store_kv(k_buf, v_buf, slots, k, np.ascontiguousarray(qkv[:, Qd + Gd:]).reshape(T, G, D))
@@ -689,17 +692,19 @@ class CpuBackend(reference.ReferenceBackend):
         return tokens <= SMALL_TOKENS and all(
             isinstance(w, Q4Linear) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
-    def decode_layer(self, x, layer, k_buf, v_buf, slots, pos, k_pos, score, cos, sin, *, eps,
-                     n_heads, scale, window=None):
-        """A few tokens x [T, H] through a decoder layer (see the kernel decode_layer)."""
+    def decode_layer(self, x, layer, kv, pos, cos, sin, cfg):
+        """A few tokens x [T, H] through decoder layer `layer` (models.llama.Layer) over the
+        cache layer `kv` (kv_cache.LayerView), for a model of config `cfg` (the kernel
+        decode_layer)."""
         x = np.array(x, np.float32)
-        lins = []
-        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        lins = [layer.qkv.w, layer.qkv.s, layer.qkv.z,
+                _NO_SCALES if layer.qkv_bias is None else layer.qkv_bias]
+        for w in (layer.o, layer.gate_up, layer.down):
             lins += [w.w, w.s, w.z]
-        decode_layer(x, layer.input_norm, layer.post_norm, np.float32(eps), *lins, _bits(k_buf),
-                     _bits(v_buf), slots, np.ascontiguousarray(pos, np.int64), k_pos,
-                     _scores(score), cos, sin, n_heads, np.float32(scale), window or 0,
-                     self.threads)
+        decode_layer(x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), *lins,
+                     _bits(kv.k), _bits(kv.v), kv.slots, np.ascontiguousarray(pos, np.int64),
+                     kv.k_pos, _scores(kv.score), cos, sin, cfg.num_attention_heads,
+                     np.float32(cfg.head_dim ** -0.5), cfg.sliding_window or 0, self.threads)
         return x
 
     def rmsnorm(self, x, w, eps):

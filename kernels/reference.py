@@ -161,8 +161,9 @@ class ReferenceBackend:
         return np.ascontiguousarray(table, dtype=np.float32)
 
     def fused_decode(self, layer, tokens: int) -> bool:
-        """Whether `decode_layer` runs this decoder layer (models.llama.Layer) for `tokens`
-        tokens after the cache's; a backend with no fused layer says no, and the decoder calls
+        """Whether `decode_layer(x, layer, kv, pos, cos, sin, cfg)` runs this decoder layer
+        (models.llama.Layer) for `tokens` tokens after the cache's: the same math as the model
+        file's layer in one call; a backend with no fused layer says no, and the decoder calls
         the ops one by one."""
         return False
 

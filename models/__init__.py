@@ -1,4 +1,4 @@
-"""Model configuration, weight files and the Llama/Mistral decoder."""
+"""Model configuration, weight files, the decoders of each family (FAMILIES) and their loader."""
 
 from __future__ import annotations
 
@@ -8,21 +8,38 @@ from pathlib import Path
 from tinyrt.errors import ModelFormatError
 from tinyrt.memory import ensure_fits
 
-from .config import LlamaConfig, QuantConfig
-from .llama import LINEARS, LlamaModel, expected_shapes, linear_shapes
+from .config import ModelConfig, QuantConfig
+from .families import FAMILIES, family
+from .llama import Layer, LlamaModel
 from .weights import SafetensorsFile, WeightStore, write_safetensors
 
 
+def model_class(cfg: ModelConfig) -> type[LlamaModel]:
+    """The decoder class of a config's family."""
+    return family(cfg.model_type).model
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of every tensor of a model of this config (see LlamaModel)."""
+    return model_class(cfg).expected_shapes(cfg)
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Decoder-layer linear module name (HF) -> (out, in)."""
+    return model_class(cfg).linear_shapes(cfg)
+
+
 def load_model(directory: str | Path, backend) -> LlamaModel:
-    """Load a model directory (config.json + safetensors weights) onto `backend`."""
+    """Load a model directory (config.json + safetensors weights) onto `backend`, as the
+    decoder of its family."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ModelFormatError(f"{directory} is not a model directory")
-    config = LlamaConfig.from_file(directory / "config.json")
+    config = ModelConfig.from_file(directory / "config.json")
     weights = WeightStore(directory)
     if backend.host_memory:              # its weights end up in RAM, whatever their form
         ensure_fits(f"the model in {directory}", weights.nbytes)
-    model = LlamaModel(config, weights, backend)
+    model = model_class(config)(config, weights, backend)
     trim_heap()
     return model
 
@@ -36,5 +53,6 @@ def trim_heap() -> None:
         pass
 
 
-__all__ = ["LlamaConfig", "QuantConfig", "LlamaModel", "expected_shapes", "linear_shapes", "LINEARS", "load_model",
-           "SafetensorsFile", "WeightStore", "write_safetensors"]
+__all__ = ["ModelConfig", "QuantConfig", "FAMILIES", "family", "model_class", "Layer", "LlamaModel",
+           "expected_shapes", "linear_shapes", "load_model", "SafetensorsFile", "WeightStore",
+           "write_safetensors"]

@@ -10,7 +10,6 @@ from typing import Any
 
 from tinyrt.errors import ModelFormatError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,7 +35,7 @@ def _check_kind(name: str, v: Any, kind: str) -> None:
 _WHAT = {"int": "an integer", "ints": "an integer or a list of integers", "number": "a number",
          "str": "a string", "bool": "true or false", "object": "an object",
          "strs": "a list of strings"}
-# the JSON kind of each LlamaConfig field, checked by `from_dict`
+# the JSON kind of each ModelConfig field, checked by `from_dict`
 _KINDS = {**dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "num_key_value_heads", "head_dim",
                            "max_position_embeddings", "sliding_window", "bos_token_id",
@@ -62,8 +61,9 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """The HF config of a Llama or Mistral decoder. Unknown keys are dropped by `from_dict`."""
+class ModelConfig:
+    """The HF config of a decoder of any family in models.FAMILIES (the keys they share; a
+    family reads its own keys in its `adapt_config`). Unknown keys are dropped by `from_dict`."""
 
     vocab_size: int
     hidden_size: int
@@ -92,11 +92,15 @@ class LlamaConfig:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a config dict, dropping unknown keys and filling HF defaults."""
         if not isinstance(d, dict):
             raise ModelFormatError("config.json must hold a JSON object")
         d = dict(d)
+        if isinstance(d.get("model_type", "llama"), str):
+            from .families import family
+
+            d = family(d.get("model_type", "llama")).adapt_config(d)
         # transformers 5 writes rope settings under `rope_parameters`; older files use the two keys.
         params = d.pop("rope_parameters", None)
         if isinstance(params, dict):
@@ -122,7 +126,7 @@ class LlamaConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "LlamaConfig":
+    def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         try:
             d = json.loads(path.read_text(encoding="utf-8"))
@@ -134,9 +138,9 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         fail = ModelFormatError
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise fail(f"unsupported architecture {self.model_type!r}: tinyrt runs "
-                       f"{' and '.join(SUPPORTED_MODEL_TYPES)} decoders")
+        from .families import family
+
+        family(self.model_type)               # a clear error for a family tinyrt does not run
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
@@ -223,7 +227,8 @@ class LlamaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json we write: HF key names, None values left out."""
+        from .families import family
+
         d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-        arch = "MistralForCausalLM" if self.model_type == "mistral" else "LlamaForCausalLM"
-        d.setdefault("architectures", [arch])
+        d.setdefault("architectures", [family(self.model_type).architecture])
         return d

@@ -1,77 +1,118 @@
-"""The Llama / Mistral GQA decoder, written once against the backend ops.
+"""The Llama decoder, written once against the backend ops; Mistral is the same decoder with a
+sliding attention window (`sliding_window`), and other families (models/qwen2.py) derive from it.
 
-Mistral is Llama with the same tensor names plus a sliding attention window (`sliding_window`).
+The math of a decoder layer lives in `LlamaModel.layer` (and its two halves, `attention` and
+`mlp`): the runtime runs it over the KV cache, the AWQ calibration over batches of sequences, and
+a backend's fused layer (kernels/cpu.py decode_layer) is tested against it for every family.
 The model returns logits; sampling lives in the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from tinyrt.errors import ModelFormatError
-from tinyrt.kernels import QuantizedLinear
+from tinyrt.kernels import QuantizedLinear, awq_layout
 
-from .config import LlamaConfig
+from .config import ModelConfig
 from .rope import rope_inv_freq
 from .weights import WeightStore, release_pages
 
 
 @dataclass
 class Layer:
+    """One decoder layer's prepared weights (whatever the backend made of them)."""
+
     input_norm: Any      # [H]
     qkv: Any             # fused q|k|v projection: H -> Q*D + 2*G*D
     o: Any               # Q*D -> H
     post_norm: Any       # [H]
     gate_up: Any         # fused gate|up projection: H -> 2*I
     down: Any            # I -> H
+    qkv_bias: Any = None  # [Q*D + 2*G*D] (a family with q/k/v biases), else None
 
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# The tensor names, defined once. A layer's tensors, under `model.layers.N.` (HF) and `blk.N.`
+# (GGUF): Layer field -> HF names it is made of (a fused projection lists its parts in order).
+NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+           "down": ("mlp.down_proj",)}
+# HF name -> GGUF name: of a layer's modules, then of the model's own tensors
+GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+               "lm_head": "output"}
 
-
-def linear_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
-    """Decoder-layer linear name (HF, without .weight) -> (out, in)."""
-    H, I, Qs, KVs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    dims = dict(zip(LINEARS, [(Qs, H), (KVs, H), (KVs, H), (H, Qs), (I, H), (I, H), (H, I)]))
-    return {f"model.layers.{i}.{n}": d for i in range(cfg.num_hidden_layers) for n, d in dims.items()}
-
-
-def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape of every tensor of the model (AWQ tensors when quantized)."""
-    from tinyrt.kernels import awq_layout
-
-    H, V = cfg.hidden_size, cfg.vocab_size
-    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, H)
-    for i in range(cfg.num_hidden_layers):
-        shapes[f"model.layers.{i}.input_layernorm.weight"] = (H,)
-        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (H,)
-    q = cfg.quant
-    for name, (out, inp) in linear_shapes(cfg).items():
-        if q is None:
-            shapes[name + ".weight"] = (out, inp)
-            continue
-        if inp % q.group_size or out % awq_layout.PACK:
-            raise ModelFormatError(f"{name}: AWQ group size {q.group_size} does not divide its "
-                                   f"{inp} inputs (or {out} outputs are not a multiple of 8)")
-        for part, shape in awq_layout.shapes(inp, out, q.group_size).items():
-            shapes[f"{name}.{part}"] = shape
-    return shapes
+# attend(q [T, Q, D], k [T, G, D], v [T, G, D]) -> [T, Q, D]: attention of the queries over the
+# keys and values of everything before them (the KV cache, or the sequence itself)
+Attend = Callable[[Any, Any, Any], Any]
 
 
 class LlamaModel:
     """Decoder over a KV cache. `forward(tokens, cache)` appends the tokens to the cache and returns
     logits [T, V] (or [1, V] for the last token only)."""
 
-    def __init__(self, config: LlamaConfig, weights: WeightStore, backend):
+    qkv_bias = False      # whether q, k and v have biases (Qwen2)
+
+    # -- the tensors ------------------------------------------------------------------------------
+
+    @classmethod
+    def linear_shapes(cls, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Decoder-layer linear name (HF, without .weight) -> (out, in)."""
+        H, I, Qs, KVs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+        names = [n for parts in LINEARS.values() for n in parts]
+        dims = dict(zip(names, [(Qs, H), (KVs, H), (KVs, H), (H, Qs), (I, H), (I, H), (H, I)]))
+        return {f"model.layers.{i}.{n}": d for i in range(cfg.num_hidden_layers)
+                for n, d in dims.items()}
+
+    @classmethod
+    def expected_shapes(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> shape of every tensor of the model (AWQ tensors when quantized)."""
+        H, V = cfg.hidden_size, cfg.vocab_size
+        shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+        if not cfg.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, H)
+        for i in range(cfg.num_hidden_layers):
+            for n in NORMS.values():
+                shapes[f"model.layers.{i}.{n}.weight"] = (H,)
+        q = cfg.quant
+        for name, (out, inp) in cls.linear_shapes(cfg).items():
+            if cls.qkv_bias and name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
+                shapes[name + ".bias"] = (out,)
+            if q is None:
+                shapes[name + ".weight"] = (out, inp)
+                continue
+            if inp % q.group_size or out % awq_layout.PACK:
+                raise ModelFormatError(f"{name}: AWQ group size {q.group_size} does not divide its "
+                                       f"{inp} inputs (or {out} outputs are not a multiple of 8)")
+            for part, shape in awq_layout.shapes(inp, out, q.group_size).items():
+                shapes[f"{name}.{part}"] = shape
+        return shapes
+
+    @classmethod
+    def make_layer(cls, i: int, backend, tensor: Callable[[str], np.ndarray],
+                   linear: Callable[[str], Any]) -> Layer:
+        """Layer i prepared by `backend` from `tensor(HF tensor name)` (a float array) and
+        `linear(HF module name)` (a float weight [out, in] or a QuantizedLinear)."""
+        p = f"model.layers.{i}."
+        bias = None
+        if cls.qkv_bias:
+            bias = backend.prepare_vector(np.concatenate(
+                [np.asarray(tensor(p + n + ".bias"), np.float32) for n in LINEARS["qkv"]]))
+        return Layer(**{f: backend.prepare_vector(tensor(p + n + ".weight")) for f, n in NORMS.items()},
+                     **{f: backend.prepare_linear([linear(p + n) for n in parts])
+                        for f, parts in LINEARS.items()}, qkv_bias=bias)
+
+    def __init__(self, config: ModelConfig, weights: WeightStore, backend):
         self.config = cfg = config
         self.backend = be = backend
-        shapes = expected_shapes(cfg)
+        shapes = self.expected_shapes(cfg)
         for name, shape in shapes.items():
             if name not in weights:
                 raise ModelFormatError(f"{weights.directory}: tensor {name!r} is missing")
@@ -80,37 +121,56 @@ class LlamaModel:
                     f"{weights.directory}: tensor {name!r} has shape {list(weights.shape(name))}, "
                     f"the config needs {list(shape)}")
 
-        def w(name: str) -> np.ndarray:
-            return weights.get_float(name)
+        get = weights.get_float
 
-        def lin(*names: str):
+        def linear(name: str):
             if cfg.quant is None:
-                return be.prepare_linear([w(n + ".weight") for n in names])
-            return be.prepare_linear([QuantizedLinear(weights.get(n + ".qweight"), weights.get(n + ".qzeros"),
-                                                      weights.get(n + ".scales")) for n in names])
+                return get(name + ".weight")
+            return QuantizedLinear(*(weights.get(f"{name}.{part}") for part in QuantizedLinear._fields))
 
-        self.embed = be.prepare_embedding(w("model.embed_tokens.weight"))
+        self.embed = be.prepare_embedding(get("model.embed_tokens.weight"))
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         # float in AWQ checkpoints; a backend may quantize it when the rest of the model is quantized
-        self.lm_head = be.prepare_head(w(head), quantized=cfg.quant is not None)
-        self.norm = be.prepare_vector(w("model.norm.weight"))
+        self.lm_head = be.prepare_head(get(head), quantized=cfg.quant is not None)
+        self.norm = be.prepare_vector(get("model.norm.weight"))
         self.layers = []
         # the file pages read while preparing each part leave the resident set at once, so that
         # the peak of a load stays close to what the prepared model holds
         weights.release()
         for i in range(cfg.num_hidden_layers):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            self.layers.append(Layer(
-                input_norm=be.prepare_vector(w(f"model.layers.{i}.input_layernorm.weight")),
-                qkv=lin(a + "q_proj", a + "k_proj", a + "v_proj"),
-                o=lin(a + "o_proj"),
-                post_norm=be.prepare_vector(w(f"model.layers.{i}.post_attention_layernorm.weight")),
-                gate_up=lin(m + "gate_proj", m + "up_proj"),
-                down=lin(m + "down_proj"),
-            ))
+            self.layers.append(self.make_layer(i, be, get, linear))
             weights.release()
         self.inv_freq = rope_inv_freq(cfg)
         self.scale = cfg.head_dim ** -0.5
+
+    # -- the math of a layer --------------------------------------------------------------------
+
+    @staticmethod
+    def attention(be, cfg: ModelConfig, L: Layer, h, cos, sin, attend: Attend):
+        """The attention block of layer L for normed inputs h [T, H] (or [N, T, H]: N
+        sequences) -> [T, H]."""
+        lead, Q, G, D = h.shape[:-1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = be.linear(h, L.qkv)                                          # [T, (Q+2G)*D]
+        if L.qkv_bias is not None:
+            qkv = qkv + L.qkv_bias
+        q = be.rope(qkv[..., :Q * D].reshape(*lead, Q, D), cos, sin)
+        k = be.rope(qkv[..., Q * D:(Q + G) * D].reshape(*lead, G, D), cos, sin)
+        v = qkv[..., (Q + G) * D:].reshape(*lead, G, D)
+        return be.linear(attend(q, k, v).reshape(*lead, Q * D), L.o)
+
+    @staticmethod
+    def mlp(be, L: Layer, h):
+        """The SwiGLU MLP of layer L for normed inputs h [T, H] -> [T, H]."""
+        return be.linear(be.swiglu(be.linear(h, L.gate_up)), L.down)
+
+    @classmethod
+    def layer(cls, be, cfg: ModelConfig, L: Layer, x, cos, sin, attend: Attend):
+        """Decoder layer L: x [T, H] -> [T, H], pre-norm residual blocks."""
+        x = x + cls.attention(be, cfg, L, be.rmsnorm(x, L.input_norm, cfg.rms_norm_eps), cos, sin,
+                              attend)
+        return x + cls.mlp(be, L, be.rmsnorm(x, L.post_norm, cfg.rms_norm_eps))
+
+    # -- over the KV cache ------------------------------------------------------------------------
 
     def forward(self, tokens, cache, *, all_logits: bool = False):
         """Run `tokens` [T] through the decoder, appending their K/V to `cache`.
@@ -141,55 +201,46 @@ class LlamaModel:
         """
         cfg, be = self.config, self.backend
         tokens = np.asarray(tokens, dtype=np.int64)
-        T, Q, G, D = len(tokens), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        pos = cache.allocate(T)
-        if cache.n_sink and cache.sink_shift != cache.rotated_shift:
-            self._rotate_sinks(cache)
+        pos = cache.allocate(len(tokens))
         cos, sin = be.rope_tables(self.inv_freq, pos)
         x = be.embedding(self.embed, tokens)                               # [T, H]
         # a table used as stored, mapped from the file, is read a few rows per token: its rows
         # leave the resident set at once, or RSS would creep up as new tokens appear
         release_pages(self.embed)
         for i, L in enumerate(self.layers):
-            # buffers [G, C, D], new tokens' slots [G, T], slot positions [G, S], scores or None
-            k_buf, v_buf, slots, k_pos, score = cache.layer(i)
-            if be.fused_decode(L, T):              # the same ops, in one call (the backend's)
-                x = be.decode_layer(x, L, k_buf, v_buf, slots, pos, k_pos, score, cos, sin,
-                                    eps=cfg.rms_norm_eps, n_heads=Q, scale=self.scale,
-                                    window=cfg.sliding_window)
-                continue
-            h = be.rmsnorm(x, L.input_norm, cfg.rms_norm_eps)
-            qkv = be.linear(h, L.qkv)                                      # [T, (Q+2G)*D]
-            q = be.rope(qkv[:, :Q * D].reshape(T, Q, D), cos, sin)
-            k = be.rope(qkv[:, Q * D:(Q + G) * D].reshape(T, G, D), cos, sin)
-            v = qkv[:, (Q + G) * D:].reshape(T, G, D)
-            be.store_kv(k_buf, v_buf, slots, k, v)
-            a = be.attention(q, k_buf, v_buf, pos, k_pos, self.scale,
-                             cfg.sliding_window, score)                    # [T, Q, D]
-            x = x + be.linear(a.reshape(T, Q * D), L.o)
-            h = be.rmsnorm(x, L.post_norm, cfg.rms_norm_eps)
-            gu = be.linear(h, L.gate_up)                                   # [T, 2I]
-            x = x + be.linear(be.swiglu(gu), L.down)
+            kv = cache.layer(i)
+            if be.fused_decode(L, len(tokens)):    # this layer's ops in one call (the backend's)
+                x = be.decode_layer(x, L, kv, pos, cos, sin, cfg)
+            else:
+                x = self.layer(be, cfg, L, x, cos, sin, self._attend(kv, pos))
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
 
-    def _rotate_sinks(self, cache) -> None:
-        """Rotate the attention sinks' cached keys to positions i + cache.sink_shift (see
-        kv_cache.SinkCache), from float32 copies of their un-rotated keys and of their values,
-        taken the first time from the cache itself (sink i still rotated by its own position i
-        then). All layers at once: their KV heads side by side, one RoPE and one store."""
-        be, n = self.backend, cache.n_sink
-        L, G, C, D = cache.k.shape
-        k_buf, v_buf = cache.k.reshape(L * G, C, D), cache.v.reshape(L * G, C, D)
-        if cache.sink_keys is None:
-            cos, sin = be.rope_tables(self.inv_freq, np.arange(n))
-            cache.sink_keys = be.rope(_rows(be, k_buf[:, :n]), cos, -sin)     # [n, L*G, D]
-            cache.sink_values = _rows(be, v_buf[:, :n])
-        cos, sin = be.rope_tables(self.inv_freq, np.arange(n) + cache.sink_shift)
-        slots = np.tile(np.arange(n), (L * G, 1))                               # [L*G, n]
-        be.store_kv(k_buf, v_buf, slots, be.rope(cache.sink_keys, cos, sin), cache.sink_values)
-        cache.rotated_shift = cache.sink_shift
+    def _attend(self, kv, pos) -> Attend:
+        """Attention over the cache layer `kv`, the new tokens (at positions `pos`) stored first."""
+        be, window = self.backend, self.config.sliding_window
+
+        def attend(q, k, v):
+            be.store_kv(kv.k, kv.v, kv.slots, k, v)
+            return be.attention(q, kv.k, kv.v, pos, kv.k_pos, self.scale, window, kv.score)
+        return attend
 
 
-def _rows(backend, buf) -> np.ndarray:
-    """Cache buffer rows [G, n, D] as float32 [n, G, D]."""
-    return np.ascontiguousarray(backend.to_numpy(buf).astype(np.float32).transpose(1, 0, 2))
+@dataclass(frozen=True)
+class Family:
+    """An architecture family, an entry of models.FAMILIES: its HF `model_type` and class name,
+    its decoder, its name in GGUF files (`general.architecture`) and the HF config keys it
+    reads in its own way."""
+
+    model_type: str
+    architecture: str                  # HF class name, for the config.json we write
+    model: type = LlamaModel
+    gguf_arch: str | None = None       # None: the same as model_type
+    # whether llama.cpp's converter interleaved each head's Q/K rows (its "llama" rope layout)
+    gguf_permuted_qk: bool = True
+    # HF config dict -> the dict the config dataclass reads (keys this family uses otherwise)
+    adapt_config: Callable[[dict], dict] = staticmethod(lambda d: d)
+
+
+LLAMA = Family("llama", "LlamaForCausalLM")
+MISTRAL = Family("mistral", "MistralForCausalLM")
+

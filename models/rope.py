@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 
-from .config import LlamaConfig
+from .config import ModelConfig
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies [head_dim/2] float64, as HF computes them for this config."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))

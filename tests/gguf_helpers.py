@@ -7,17 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tinyrt.models.llama import GGUF_GLOBAL, GGUF_LAYER
+
 # f16 fields of each K-quant block (byte offsets), which must hold finite values
 KQUANT_HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-GGUF_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf reordering of Q/K rows (rotate-half -> interleaved pairs)."""
@@ -28,12 +21,11 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def gguf_name(hf: str) -> str:
     if hf == "rope_freqs.weight":
         return hf
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if hf in fixed:
-        return fixed[hf]
-    _, _, i, rest = hf.split(".", 3)
-    return f"blk.{i}.{GGUF_NAMES[rest]}"
+    module, kind = hf.rsplit(".", 1)
+    if module in GGUF_GLOBAL:
+        return f"{GGUF_GLOBAL[module]}.{kind}"
+    _, _, i, rest = module.split(".", 3)
+    return f"blk.{i}.{GGUF_LAYER[rest]}.{kind}"
 
 
 def random_kquant(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -51,16 +43,18 @@ def random_kquant(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
 
 def write_gguf(path: Path, cfg: dict, weights: dict, tokenizer_json: str | None, *,
                qtype: str = "F32", chat_template: str | None = None, pre: str = "default",
-               kquant_rng=None) -> dict:
-    """Write `weights` (HF names/layout) as a llama GGUF. 2-D weights are stored as `qtype`;
-    norms as F32. Returns the float weights as llama.cpp would read them back (HF layout)."""
+               kquant_rng=None, arch: str = "llama") -> dict:
+    """Write `weights` (HF names/layout) as a GGUF of `arch` (llama: Q/K rows permuted as
+    llama.cpp's converter does; qwen2: not). 2-D weights are stored as `qtype`; norms and
+    biases as F32. Returns the float weights as llama.cpp would read them back (HF layout)."""
     import json
 
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    permuted = arch == "llama"
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -98,9 +92,9 @@ def write_gguf(path: Path, cfg: dict, weights: dict, tokenizer_json: str | None,
     back = {}
     for name, a in weights.items():
         a = a.astype(np.float32)
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             a = permute(a, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             a = permute(a, cfg["num_key_value_heads"])
         if a.ndim == 1 or qtype == "F32":
             stored, kind = a, Q.F32
@@ -112,7 +106,7 @@ def write_gguf(path: Path, cfg: dict, weights: dict, tokenizer_json: str | None,
             stored = quantize(a, kind)
         w.add_tensor(gguf_name(name), stored, raw_dtype=kind)
         deq = a if kind == Q.F32 else dequantize(stored, kind).reshape(a.shape)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             deq = deq[np.argsort(permute(np.arange(a.shape[0])[:, None], heads)[:, 0])]
         back[name] = deq

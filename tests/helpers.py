@@ -49,6 +49,9 @@ def random_weights(cfg: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.n
                   p + "self_attn.v_proj.weight": mat(G * D, H), p + "self_attn.o_proj.weight": mat(H, Q * D),
                   p + "mlp.gate_proj.weight": mat(I, H), p + "mlp.up_proj.weight": mat(I, H),
                   p + "mlp.down_proj.weight": mat(H, I)})
+        if cfg.get("model_type") == "qwen2":          # its q, k, v have biases
+            w.update({p + f"self_attn.{n}_proj.bias": (0.5 * rng.standard_normal(o)).astype(dtype)
+                      for n, o in (("q", Q * D), ("k", G * D), ("v", G * D))})
     return w
 
 

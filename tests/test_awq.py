@@ -10,14 +10,14 @@ from hypothesis.extra.numpy import arrays
 
 from helpers import CORPUS, hf_logits, hf_model, random_weights, rel_err, tiny_config, write_tiny_model
 from tinyrt.converters import convert
-from tinyrt.converters.awq import (LINEAR_KEYS, NORM_KEYS, QuantOptions, awq_layer, layer_forward,
-                                   linear_mse, output_mse, search_scales)
+from tinyrt.converters.awq import (QuantOptions, awq_layer, layer_forward, linear_mse, output_mse,
+                                   search_scales)
 from tinyrt.converters.quantize import dequantize, fake_quantize, pack_linear, quantize
 from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import awq_layout, get_backend
 from tinyrt.kernels.reference import int8_rows
-from tinyrt.kv_cache import KVCache
-from tinyrt.models.config import LlamaConfig
+from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.models.config import ModelConfig
 from tinyrt.models import WeightStore, linear_shapes, load_model
 
 DESIGN_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # DESIGN.md: nibble order of the AutoAWQ GEMM layout
@@ -104,26 +104,29 @@ def test_scale_search_never_loses_to_plain_rounding():
     assert exact(W2) == pytest.approx(loss(W2), rel=1e-3)   # the Gram form is exact
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kv_heads", [6, 2, 1])                # GQA ratios 1, 3, 6
-def test_folded_scales_keep_the_float_layer(kv_heads):
+def test_folded_scales_keep_the_float_layer(kv_heads, family):
     """Scales folded into norms and producing linears leave the float layer's function unchanged:
     without clipping, the searched layer computes what the original does, whatever scales the
-    search chose (o_proj's only without GQA, where v_proj can take their inverse)."""
+    search chose (o_proj's only without GQA, where v_proj can take their inverse, its bias too).
+    The layer is the model file's own (models.llama), as the calibration runs it."""
     from tinyrt.kernels import reference as ops
     from tinyrt.models.rope import rope_inv_freq
 
     rng = np.random.default_rng()
-    d = tiny_config(num_key_value_heads=kv_heads)
-    cfg = LlamaConfig.from_dict(d)
-    w = random_weights(d, seed=int(rng.integers(1 << 30)))
-    L = {k: w[f"model.layers.0.{n}.weight"] for k, n in {**LINEAR_KEYS, **NORM_KEYS}.items()}
+    d = tiny_config(num_key_value_heads=kv_heads, model_type=family)
+    cfg = ModelConfig.from_dict(d)
+    w = {k: v for k, v in random_weights(d, seed=int(rng.integers(1 << 30))).items()
+         if k.startswith("model.layers.0.")}
     x = rng.standard_normal((2, 40, cfg.hidden_size)).astype(np.float32)
     x[..., rng.choice(cfg.hidden_size, 3, replace=False)] *= 20
     cos, sin = ops.rope_tables(rope_inv_freq(cfg), np.arange(40))
-    scaled = awq_layer(cfg, L, x, cos, sin, QuantOptions(group_size=32, clip=False))
-    assert np.allclose(scaled["o"], L["o"]) == (kv_heads != 6)  # o_proj scaled only without GQA
-    ref = layer_forward(cfg, x, L, cos, sin)
-    assert rel_err(layer_forward(cfg, x, scaled, cos, sin), ref) < 1e-5
+    scaled = awq_layer(cfg, w, 0, x, cos, sin, QuantOptions(group_size=32, clip=False))
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert np.allclose(scaled[o], w[o]) == (kv_heads != 6)  # o_proj scaled only without GQA
+    ref = layer_forward(cfg, x, w, 0, cos, sin)
+    assert rel_err(layer_forward(cfg, x, scaled, 0, cos, sin), ref) < 1e-5
 
 
 # -- end to end on tiny models -------------------------------------------------------------------
@@ -143,9 +146,8 @@ def _salient_model(tmp_path):
 
 def _logits(directory, ids):
     m = load_model(directory, get_backend("reference"))
-    c = m.config
-    return m.forward(ids, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256,
-                                  m.backend, np.float32), all_logits=True)   # float32: vs transformers
+    return m.forward(ids, make_cache(CacheOptions(kv_size=256, kv_type="f32"), m),
+                     all_logits=True)   # float32: vs transformers
 
 
 def test_awq_beats_round_to_nearest_on_salient_channels(tmp_path):
@@ -176,9 +178,9 @@ def _autoawq_checkpoint(directory, cfg, g, seed=0):
     float_w = random_weights(cfg, seed)
     tensors = {k: v.astype(np.float16) for k, v in float_w.items() if "_proj" not in k}
     deq = {k: v.astype(np.float32) for k, v in tensors.items()}
-    from tinyrt.models.config import LlamaConfig
+    from tinyrt.models.config import ModelConfig
 
-    for name, (out_f, in_f) in linear_shapes(LlamaConfig.from_dict(cfg)).items():
+    for name, (out_f, in_f) in linear_shapes(ModelConfig.from_dict(cfg)).items():
         codes = rng.integers(0, 16, (in_f, out_f)).astype(np.uint8)
         zeros = rng.integers(0, 16, (in_f // g, out_f)).astype(np.uint8)
         scales = (rng.uniform(0.5, 1.5, (in_f // g, out_f)) / np.sqrt(in_f) / 4).astype(np.float16)

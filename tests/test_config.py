@@ -4,13 +4,13 @@ import pytest
 
 from helpers import tiny_config
 from tinyrt.errors import ModelFormatError
-from tinyrt.models import LlamaConfig
+from tinyrt.models import ModelConfig
 from tinyrt.models.rope import rope_inv_freq
 
 
 def test_from_dict_drops_unknown_keys_and_fills_defaults():
     d = tiny_config(num_key_value_heads=None, some_future_key=[1, 2], initializer_range=0.02)
-    cfg = LlamaConfig.from_dict(d)
+    cfg = ModelConfig.from_dict(d)
     assert cfg.num_key_value_heads == cfg.num_attention_heads
     assert cfg.head_dim == 96 // 6
     assert cfg.n_rep == 1
@@ -23,13 +23,13 @@ def test_transformers5_rope_parameters():
     d["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0,
                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 64}
-    cfg = LlamaConfig.from_dict(d)
+    cfg = ModelConfig.from_dict(d)
     assert cfg.rope_theta == 5e5 and cfg.rope_type == "llama3"
 
 
 def test_to_dict_round_trip():
-    cfg = LlamaConfig.from_dict(tiny_config(sliding_window=64, model_type="mistral"))
-    again = LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    cfg = ModelConfig.from_dict(tiny_config(sliding_window=64, model_type="mistral"))
+    again = ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
 
 
@@ -46,14 +46,14 @@ def test_to_dict_round_trip():
 ])
 def test_inconsistent_configs_are_clear_errors(change, words):
     with pytest.raises(ModelFormatError, match=words):
-        LlamaConfig.from_dict(tiny_config(**change))
+        ModelConfig.from_dict(tiny_config(**change))
 
 
 def test_missing_required_key():
     d = tiny_config()
     del d["hidden_size"]
     with pytest.raises(ModelFormatError, match="hidden_size"):
-        LlamaConfig.from_dict(d)
+        ModelConfig.from_dict(d)
 
 
 @pytest.mark.parametrize("scaling", [
@@ -68,7 +68,7 @@ def test_rope_frequencies_match_transformers(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     d = tiny_config(rope_theta=500000.0, head_dim=32, rope_scaling=scaling)
-    ours = rope_inv_freq(LlamaConfig.from_dict(d))
+    ours = rope_inv_freq(ModelConfig.from_dict(d))
     hf_cfg = HFConfig(**d)
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":

@@ -10,16 +10,15 @@ from helpers import byte_level_tokenizer, hf_logits, hf_model, random_weights, r
 from tinyrt.converters import convert
 from tinyrt.errors import ModelFormatError
 from tinyrt.kernels import get_backend
-from tinyrt.kv_cache import KVCache
-from tinyrt.models import LlamaConfig, WeightStore, load_model
+from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.models import ModelConfig, WeightStore, load_model
 from tinyrt.models.rope import rope_inv_freq
 
 
 def _logits(directory, ids):
     m = load_model(directory, get_backend("reference"))
-    c = m.config
-    return m.forward(ids, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend,
-                                  np.float32), all_logits=True)             # float32: vs transformers
+    return m.forward(ids, make_cache(CacheOptions(kv_size=64, kv_type="f32"), m),
+                     all_logits=True)             # float32: vs transformers
 
 
 def test_sharded_bf16_hf_directory(tmp_path):
@@ -78,8 +77,8 @@ def test_gguf_rope_freqs_become_llama3_scaling(tmp_path, matches):
     """Llama 3.1 GGUF files carry per-frequency divisors (rope_freqs), not the parameters."""
     cfg = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                       rope_theta=500000.0, max_position_embeddings=131072)
-    base = LlamaConfig.from_dict(cfg)
-    scaled = LlamaConfig.from_dict({**cfg, "rope_scaling": _llama3(cfg)})
+    base = ModelConfig.from_dict(cfg)
+    scaled = ModelConfig.from_dict({**cfg, "rope_scaling": _llama3(cfg)})
     freqs = (rope_inv_freq(base) / rope_inv_freq(scaled)).astype(np.float32)
     if not matches:
         freqs[3] *= 1.5

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tinyrt.chat import FORMAT
 from tinyrt.chat_template import ChatTemplate
 from tinyrt.errors import TinyrtError
-from tinyrt.models.config import LlamaConfig
+from tinyrt.models.config import ModelConfig
 from tinyrt.models.weights import SafetensorsFile, WeightStore
 from tinyrt.tokenizer import load_tokenizer
 
@@ -110,14 +110,14 @@ def tiny(workdir):
 @fuzz
 @given(d=json_mutated(tiny_config()))
 def test_config(d):
-    expect_clean(lambda: LlamaConfig.from_dict(d))
+    expect_clean(lambda: ModelConfig.from_dict(d))
 
 
 @fuzz
 @given(raw=mutated(json.dumps(tiny_config()).encode()))
 def test_config_file(workdir, raw):
     (workdir / "config.json").write_bytes(raw)
-    expect_clean(lambda: LlamaConfig.from_file(workdir / "config.json"))
+    expect_clean(lambda: ModelConfig.from_file(workdir / "config.json"))
 
 
 # -- safetensors files and index ---------------------------------------------------------------
@@ -177,7 +177,7 @@ def _read_gguf(path: Path) -> None:
     from tinyrt.converters.sources import open_source
 
     src = open_source(path)
-    LlamaConfig.from_dict(src.config)
+    ModelConfig.from_dict(src.config)
     for name in src.shapes:
         np.array(src.get(name))
 

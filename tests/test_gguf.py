@@ -10,7 +10,7 @@ from tinyrt.converters import convert
 from tinyrt.converters.gguf_file import unpermute
 from tinyrt.errors import ModelFormatError
 from tinyrt.kernels import get_backend
-from tinyrt.kv_cache import KVCache
+from tinyrt.kv_cache import CacheOptions, make_cache
 from tinyrt.models import WeightStore, load_model
 
 
@@ -33,9 +33,7 @@ def _tiny_gguf(tmp_path, cfg, qtype, **kw):
 
 def _ours_logits(directory, ids):
     m = load_model(directory, get_backend("reference"))
-    c = m.config
-    cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, m.backend,
-                    np.float32)                                   # float32: vs transformers
+    cache = make_cache(CacheOptions(kv_size=64, kv_type="f32"), m)   # float32: vs transformers
     return m.forward(ids, cache, all_logits=True)
 
 

@@ -9,7 +9,8 @@ from helpers import rel_err, tiny_config, write_tiny_model
 from tinyrt.converters import convert
 from tinyrt.kernels import awq_layout, cpu, get_backend
 from tinyrt.kernels import reference as ref
-from tinyrt.kv_cache import make_cache
+from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.models import FAMILIES
 
 rng = np.random.default_rng()
 
@@ -328,8 +329,7 @@ def test_fused_layers_give_each_of_a_few_tokens_its_one_token_result(tmp_path, p
     _, q = tiny_models(tmp_path, 8, 2)
     m = tinyrt.LLM(q, device="cpu").model
     c = m.config
-    caches = [make_cache(policy, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64,
-                         m.backend, np.float32) for _ in range(2)]
+    caches = [make_cache(CacheOptions(policy, 64, "f32"), m) for _ in range(2)]
     ids = rng.integers(0, c.vocab_size, 30)
     for cache in caches:
         m.forward(ids[:20], cache)
@@ -342,20 +342,32 @@ def test_fused_layers_give_each_of_a_few_tokens_its_one_token_result(tmp_path, p
         assert np.array_equal(caches[0].score, caches[1].score)
 
 
-@pytest.mark.parametrize("heads, kv_heads, window, policy", [(4, 2, None, "dense"), (8, 8, None, "dense"),
-                                                        (8, 2, 5, "dense"), (4, 2, None, "h2o")])
-def test_fused_decode_layer_equals_the_ops(tmp_path, heads, kv_heads, window, policy):
-    """One-token decode through the fused layer kernel gives the logits of the ops one by one,
-    step after step (sliding window included; an h2o cache, its scores and evictions too)."""
-    over = dict(model_type="mistral", sliding_window=window) if window else {}
+FUSED_CASES = {"llama": (4, 2, None, "dense"), "llama-mha": (8, 8, None, "dense"),
+               "mistral": (8, 2, 5, "dense"), "llama-h2o": (4, 2, None, "h2o"),
+               "qwen2": (4, 2, None, "dense"), "qwen2-h2o": (8, 2, None, "h2o")}
+
+
+def test_the_fused_layer_is_checked_for_every_family():
+    assert {case.split("-")[0] for case in FUSED_CASES} == set(FAMILIES)
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_decode_layer_equals_the_ops(tmp_path, case):
+    """One-token decode through the fused layer kernel gives the logits of the model file's
+    layer run op by op, step after step, for every family (sliding window included; q/k/v
+    biases; an h2o cache, its scores and evictions too)."""
+    heads, kv_heads, window, policy = FUSED_CASES[case]
+    family = case.split("-")[0]
+    over = dict(model_type=family, architectures=[FAMILIES[family].architecture])
+    if window:
+        over["sliding_window"] = window
     _, q = tiny_models(tmp_path, heads, kv_heads, **over)
     fused, ops = tinyrt.LLM(q, device="cpu").model, tinyrt.LLM(q, device="cpu").model
     ops.backend.fused_decode = lambda layer, tokens: False
     assert fused.backend.fused_decode(fused.layers[0], 1)
     c = fused.config
     size = 24 if policy == "h2o" else 64                 # h2o: 50 evictions
-    caches = [make_cache(policy, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, size,
-                         m.backend, np.float32) for m in (fused, ops)]
+    caches = [make_cache(CacheOptions(policy, size, "f32"), m) for m in (fused, ops)]
     ids = rng.integers(0, c.vocab_size, 60 if policy == "h2o" else 30)
     for m, cache in zip((fused, ops), caches):
         m.forward(ids[:9], cache)

@@ -102,7 +102,7 @@ def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind):
 
     from tinyrt.converters import convert
     from tinyrt.kernels import get_backend
-    from tinyrt.kv_cache import make_cache
+    from tinyrt.kv_cache import CacheOptions, make_cache
     from tinyrt.models import load_model
 
     # (the simulator runs a CUDA thread as a Python thread: a model of a few thousand weights)
@@ -113,8 +113,7 @@ def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind):
     fast, slow = (load_model(d, get_backend(dev)) for dev in ("cuda", "reference"))
     assert fast.backend.name == "cuda"
     c = fast.config
-    caches = [make_cache(policy, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                         16 if policy == "dense" else 6, m.backend, np.float32, n_sink=1)
+    caches = [make_cache(CacheOptions(policy, 16 if policy == "dense" else 6, "f32", sinks=1), m)
               for m in (fast, slow)]
     ids = rng.integers(0, c.vocab_size, 8 if policy == "dense" else 11)
     a, b = (m.forward(ids[:4], cache, all_logits=True) for m, cache in zip((fast, slow), caches))

@@ -8,14 +8,18 @@ import tinyrt
 from helpers import tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.kernels import get_backend, reference as ref
-from tinyrt.kv_cache import H2OCache, KVCache, SinkCache, make_cache
+from tinyrt.kv_cache import CacheOptions, H2OCache, KVCache, KVLayout, SinkCache
 
 rng = np.random.default_rng()
 STEPS = 2000
 
 
+def _layout(n_layers, kv_heads, head_dim):
+    return KVLayout(n_layers, kv_heads, head_dim, 1 / 10000 ** (np.arange(head_dim // 2) / head_dim))
+
+
 def test_sink_slots_and_positions():
-    c = SinkCache(1, 1, 4, 8, get_backend("reference"), n_sink=2)     # window of 6
+    c = SinkCache(_layout(1, 1, 4), 8, get_backend("reference"), CacheOptions(sinks=2))     # window of 6
     pos = c.allocate(5)
     assert list(c.layer(0)[2][0]) == [0, 1, 2, 3, 4] and list(pos) == [0, 1, 2, 3, 4]
     assert c.sink_shift == 0
@@ -39,7 +43,7 @@ def test_sink_slots_and_positions():
 
 
 def test_window_is_sink_without_sinks():
-    c = SinkCache(1, 1, 4, 5, get_backend("reference"), n_sink=0)
+    c = SinkCache(_layout(1, 1, 4), 5, get_backend("reference"), CacheOptions(sinks=0))
     for _ in range(12):
         c.allocate(1)
     assert sorted(c.slot_positions()) == list(range(7, 12)) and c.sink_shift == 7
@@ -48,7 +52,7 @@ def test_window_is_sink_without_sinks():
 def test_h2o_evicts_the_lowest_score_per_head():
     """Each KV head of each layer evicts its own lowest-scored token outside the sinks and the
     recent window, and the new token takes that slot with a score of 0."""
-    c = H2OCache(2, 2, 4, 8, get_backend("reference"), n_sink=2, recent=3)
+    c = H2OCache(_layout(2, 2, 4), 8, get_backend("reference"), CacheOptions(sinks=2, recent=3))
     assert list(c.allocate(6)) == list(range(6)) and list(c.allocate(2)) == [6, 7]
     assert c.layer(1)[3].shape == (2, 8) and c.layer(1)[2].tolist() == [[6, 7], [6, 7]]
     c.score[...] = rng.random(c.score.shape) + 1
@@ -75,13 +79,13 @@ def test_h2o_evicts_the_lowest_score_per_head():
 def test_policy_errors():
     be = get_backend("reference")
     with pytest.raises(TinyrtError, match="unknown KV cache policy"):
-        make_cache("lru", 1, 1, 4, 8, be)
+        CacheOptions("lru")
     with pytest.raises(CacheFullError, match="--sinks 8"):
-        make_cache("sink", 1, 1, 4, 8, be, n_sink=8)
+        SinkCache(_layout(1, 1, 4), 8, be, CacheOptions(sinks=8))
     with pytest.raises(CacheFullError, match="--recent 7"):
-        make_cache("h2o", 1, 1, 4, 8, be, n_sink=2, recent=7)
+        H2OCache(_layout(1, 1, 4), 8, be, CacheOptions(sinks=2, recent=7))
     with pytest.raises(CacheFullError, match="--kv-policy sink or h2o"):
-        KVCache(1, 1, 4, 8, be).allocate(9)
+        KVCache(_layout(1, 1, 4), 8, be).allocate(9)
 
 
 class Oracle:

@@ -8,16 +8,14 @@ import pytest
 from helpers import hf_logits, hf_model, random_weights, rel_err, tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, ModelFormatError
 from tinyrt.kernels import get_backend
-from tinyrt.kv_cache import KVCache
+from tinyrt.kv_cache import CacheOptions, make_cache
 from tinyrt.models import load_model
 
 
 def _ours(directory, capacity=512):
     """The reference decoder with a float32 KV cache: comparable with transformers to 1e-5."""
     m = load_model(directory, get_backend("reference"))
-    c = m.config
-    return m, KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, m.backend,
-                      np.float32)
+    return m, make_cache(CacheOptions(kv_size=capacity, kv_type="f32"), m)
 
 
 CASES = {

@@ -8,6 +8,7 @@ import pytest
 
 from helpers import CORPUS, hf_model, tiny_config, write_tiny_model
 from tinyrt.errors import TinyrtError
+from tinyrt.kv_cache import CacheOptions
 from tinyrt.perplexity import perplexity
 
 
@@ -66,17 +67,17 @@ def test_streaming_perplexity(tiny, tmp_path):
 
     d, llm = tiny
     n = 150
-    dense = stream_perplexity(llm, CORPUS, policy="dense", kv_size=n, max_tokens=n)
+    dense = stream_perplexity(llm, CORPUS, CacheOptions("dense", n), max_tokens=n)
     assert dense.tokens == n - 1 and len(dense.nll) == n - 1
     assert dense.ppl == pytest.approx(perplexity(llm, CORPUS, ctx=n, max_windows=1).ppl, rel=1e-5)
     assert dense.ppl_of(0, n - 1) == pytest.approx(dense.ppl)
     for policy in ("sink", "h2o"):
-        big = stream_perplexity(llm, CORPUS, policy=policy, kv_size=n + 10, max_tokens=n)
+        big = stream_perplexity(llm, CORPUS, CacheOptions(policy, n + 10), max_tokens=n)
         assert big.ppl == pytest.approx(dense.ppl, rel=1e-6)
-        small = stream_perplexity(llm, CORPUS, policy=policy, kv_size=24, sinks=4, max_tokens=n)
+        small = stream_perplexity(llm, CORPUS, CacheOptions(policy, 24, sinks=4), max_tokens=n)
         assert small.ppl != pytest.approx(dense.ppl, rel=1e-3)
     with pytest.raises(TinyrtError, match="cannot hold"):
-        stream_perplexity(llm, CORPUS, policy="dense", kv_size=20, max_tokens=n)
+        stream_perplexity(llm, CORPUS, CacheOptions("dense", 20), max_tokens=n)
     text = tmp_path / "t.txt"
     text.write_text(CORPUS)
     p = subprocess.run([sys.executable, "-m", "tinyrt", "ppl", "-m", str(d), "--text", str(text),

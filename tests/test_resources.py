@@ -8,7 +8,7 @@ import tinyrt
 from tinyrt import memory
 from tinyrt.errors import TinyrtError
 from tinyrt.kernels import get_backend
-from tinyrt.kv_cache import make_cache
+from tinyrt.kv_cache import POLICIES, CacheOptions, KVLayout
 
 from helpers import status_kib, write_tiny_model
 
@@ -23,8 +23,8 @@ def test_a_cache_that_does_not_fit_is_refused_before_allocating(policy):
     be = get_backend("reference")
     with pytest.raises(TinyrtError, match=r"KV cache of 1,000,000,000,000 tokens needs [\d,]+ MiB but "
                                           r"[\d,]+ MiB of memory is available: choose a smaller"):
-        make_cache(policy, 32, 8, 128, 10**12, be)
-    assert make_cache(policy, 2, 2, 16, 64, be).capacity == 64
+        POLICIES[policy](KVLayout(32, 8, 128, np.ones(64)), 10**12, be, CacheOptions(policy))
+    assert POLICIES[policy](KVLayout(2, 2, 16, np.ones(8)), 64, be, CacheOptions(policy)).capacity == 64
 
 
 def test_a_model_larger_than_free_memory_is_refused(tmp_path, monkeypatch):

@@ -16,12 +16,29 @@ import os
 # user set wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "18")
 
-from .api import LLM, load  # noqa: E402
-from .chat import ChatSession  # noqa: E402
 from .errors import CacheFullError, ModelFormatError, TinyrtError  # noqa: E402
-from .generate import Response, Timings  # noqa: E402
-from .sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "load", "ChatSession", "Response", "Timings", "SamplingParams", "TinyrtError",
-           "ModelFormatError", "CacheFullError", "__version__"]
+
+# The public names, imported on first use: `import tinyrt` stays cheap (no NumPy, no kernels)
+# for a program that only asks for the version or an error class, and for the CLI's --help.
+_LAZY = {"LLM": "api", "load": "api", "ChatSession": "chat", "Response": "generate",
+         "Timings": "generate", "SamplingParams": "sampling", "CacheOptions": "kv_cache"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tinyrt' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = ["LLM", "load", "ChatSession", "Response", "Timings", "SamplingParams", "CacheOptions",
+           "TinyrtError", "ModelFormatError", "CacheFullError", "__version__"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -13,15 +14,13 @@ from tinyrt.errors import ModelFormatError, TinyrtError
 from .chat_template import template_from_config
 from .generate import Generation, Response
 from .kernels import get_backend
-from .kv_cache import kv_dtype, make_cache
+from .kv_cache import CacheOptions, make_cache
 from .models import load_model, trim_heap
-from .registry import resolve
 from .sampling import Sampler, SamplingParams
-from .speculative import (MAX_GAMMA, LookupDrafter, ModelDrafter, SpeculativeGeneration,
-                          check_compatible, first_layers, shares_cache)
+from . import speculative
+from .speculative import MAX_GAMMA, SpeculativeGeneration
 from .tokenizer import load_tokenizer
 
-DEFAULT_KV_SIZE = 4096
 Prompt = str | Sequence[dict]
 
 
@@ -50,13 +49,23 @@ class LLM:
     `stream(prompt)` yields `Response`s; `generate(prompt)` returns the reply text. A prompt is a
     string (a user message, put through the chat template unless `raw=True`) or a list of
     {"role", "content"} messages.
+
+    `directory` is a model directory (`load` resolves names, GGUF files and HF ids to one);
+    `cache` the KV cache options, or their fields as keywords (kv_policy="sink", kv_size=...);
+    `draft` (speculative decoding) a draft model's directory, "lookup" or "layers:N" (see
+    speculative.make_drafter), proposing at most `draft_tokens`.
     """
 
     def __init__(self, directory: str | os.PathLike, *, device: str = "auto",
-                 threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
-                 kv_policy: str = "dense", sinks: int = 4, recent: int | None = None,
-                 draft: str | os.PathLike | None = None, draft_tokens: int = MAX_GAMMA):
+                 threads: int | None = None, cache: CacheOptions | None = None,
+                 draft: str | os.PathLike | None = None, draft_tokens: int = MAX_GAMMA,
+                 **cache_fields):
         start = time.perf_counter()
+        try:
+            cache = dataclasses.replace(cache or CacheOptions(), **cache_fields)
+        except TypeError:
+            raise TinyrtError(f"unknown options: {', '.join(sorted(cache_fields))} (KV cache "
+                              f"options: {', '.join(CacheOptions.__dataclass_fields__)})") from None
         self.directory = Path(directory)
         try:
             self.backend = get_backend(device, threads)
@@ -70,48 +79,21 @@ class LLM:
         self.model = load_model(self.directory, self.backend)
         self.config = cfg = self.model.config
         self.generation_config = _generation_config(self.directory)
-        size = kv_size or min(cfg.max_position_embeddings, DEFAULT_KV_SIZE)
-        if draft is not None and kv_policy == "h2o":
-            raise TinyrtError("a draft does not work with --kv-policy h2o (its evictions follow "
-                              "the attention of tokens a draft may take back); use dense or sink")
-        if draft is not None and not 1 <= draft_tokens <= 32:
-            raise TinyrtError(f"--draft-tokens must be between 1 and 32, got {draft_tokens}")
+        if draft is not None:
+            if not 1 <= draft_tokens <= 32:
+                raise TinyrtError(f"--draft-tokens must be between 1 and 32, got {draft_tokens}")
+            cache = dataclasses.replace(cache, slack=draft_tokens + 1)
         self.draft_tokens = draft_tokens
-
-        def cache(model_cfg):
-            return make_cache(kv_policy, model_cfg.num_hidden_layers, model_cfg.num_key_value_heads,
-                              model_cfg.head_dim, size, self.backend, kv_dtype(kv_type), sinks,
-                              recent, slack=0 if draft is None else draft_tokens + 1)
-
-        self.cache = cache(cfg)
-        self.drafter = None if draft is None else self._drafter(str(draft), cache)
+        self.cache_options = cache
+        self.cache = make_cache(cache, self.model)
+        self.drafter = None if draft is None else speculative.make_drafter(
+            str(draft), self.model, self.tokenizer, self.cache,
+            lambda model: make_cache(cache, model), load_model, load_tokenizer)
         gen_eos = self.generation_config.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = {i for i in (*cfg.eos_token_ids, *gen_eos, self.tokenizer.eos_id)
                         if isinstance(i, int)}
         self.load_s = time.perf_counter() - start
-
-    def _drafter(self, draft: str, cache):
-        """`lookup`, `layers:N` (this model's first N layers) or a draft model."""
-        if draft == "lookup":
-            return LookupDrafter()
-        if draft.startswith("layers:"):
-            try:
-                n = int(draft.split(":", 1)[1])
-            except ValueError:
-                raise TinyrtError(f"--draft {draft}: N in layers:N is a number of layers") from None
-            return self._model_drafter(first_layers(self.model, n), draft, cache)
-        directory = resolve(draft, quiet=True)
-        model = load_model(directory, self.backend)
-        check_compatible(self.tokenizer, load_tokenizer(directory), self.config, model.config)
-        return self._model_drafter(model, Path(directory).name, cache)
-
-    def _model_drafter(self, model, name: str, cache) -> ModelDrafter:
-        """A draft model on this model's KV cache where it is a copy of this model (see
-        speculative.shares_cache), else on a cache of its own."""
-        if shares_cache(self.model, model):
-            return ModelDrafter(model, self.cache, name, shared=True)
-        return ModelDrafter(model, cache(model.config), name)
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -175,19 +157,24 @@ class LLM:
 
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto",
-         threads: int | None = None, kv_size: int | None = None, kv_type: str = "f16",
-         kv_policy: str = "dense", sinks: int = 4, recent: int | None = None,
-         draft: str | os.PathLike | None = None, draft_tokens: int = MAX_GAMMA,
-         quiet: bool = False) -> LLM:
+         threads: int | None = None, draft: str | os.PathLike | None = None,
+         draft_tokens: int = MAX_GAMMA, quiet: bool = False, cache: CacheOptions | None = None,
+         **cache_fields) -> LLM:
     """Load a model: a model directory, a GGUF file or HF directory (converted once and cached),
     a known name, or None for the default model (fetched and converted on first use). `draft`
     (speculative decoding): a model with the same vocabulary (as `model`), `lookup` (prompt
-    lookup) or `layers:N` (the model's first N layers); drafts of at most `draft_tokens`."""
+    lookup) or `layers:N` (the model's first N layers); drafts of at most `draft_tokens`.
+    `cache` is the KV cache options (kv_cache.CacheOptions), or give its fields as keywords
+    (kv_policy, kv_size, kv_type, sinks, recent).
+
+    This is the front end of the API: names and files become model directories here (the
+    converter runs where one must be made), then `LLM` loads the directory."""
+    from .registry import resolve            # (it imports the converter only to convert)
+
     start = time.perf_counter()
     if draft is not None and str(draft) != "lookup" and not str(draft).startswith("layers:"):
         draft = resolve(draft, quiet=quiet)          # (a file converts here, with progress)
-    llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, kv_size=kv_size,
-              kv_type=kv_type, kv_policy=kv_policy, sinks=sinks, recent=recent, draft=draft,
-              draft_tokens=draft_tokens)
+    llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, cache=cache,
+              draft=draft, draft_tokens=draft_tokens, **cache_fields)
     llm.load_s = time.perf_counter() - start
     return llm

@@ -19,15 +19,16 @@ def weight_bytes(model) -> int:
     def nbytes(w) -> int:
         if isinstance(w, np.ndarray):
             return w.nbytes
+        if w is None:
+            return 0
         return sum(p.nbytes for p in w if isinstance(p, np.ndarray))   # a NamedTuple of arrays
 
-    layers = sum(nbytes(getattr(L, f)) for L in model.layers
-                 for f in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"))
+    layers = sum(nbytes(w) for L in model.layers for w in vars(L).values())
     return layers + nbytes(model.lm_head) + nbytes(model.norm)
 
 
 def prompt_ids(llm, n: int) -> np.ndarray:
-    from tinyrt.converters.calibration import default_text
+    from tinyrt.sample_text import default_text
 
     ids = llm.tokenizer.encode(default_text()[:n * 12], add_special=True)
     if len(ids) < n:
@@ -83,8 +84,7 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
         ttft, decode, spec = speculative_runs(llm, ids, decode_tokens, runs)
     step = statistics.median(decode)
     per_token = weight_bytes(model)
-    row = cache.k[0, :, 0].nbytes                      # one slot of one layer's K: [kv_heads, D]
-    kv_per_token = 2 * cache.k.shape[0] * row * (prompt_tokens + decode_tokens / 2)
+    kv_per_token = cache.bytes_per_token * (prompt_tokens + decode_tokens / 2)
     return {
         "model": str(llm.directory), "device": model.backend.name,
         "threads": getattr(model.backend, "threads", None),

@@ -1,10 +1,19 @@
 """The KV cache: contiguous buffers allocated once, and slot tables saying what each slot holds.
 
-Layout: K and V are [n_layers, kv_heads, capacity, head_dim]. The decoder asks `allocate(n)` for
-the positions of n new tokens, then `layer(i)` for layer i's buffers, the slots its KV heads put
-the new tokens in and the positions their slots hold (-1 for a free slot), and attends over
-those: slots [0, span), in whatever order they hold positions. A policy decides which slot a
-token takes:
+The contract every policy implements (the decoder, the generation loop and speculative decoding
+use nothing else):
+
+- `allocate(n)`: take slots for the next n tokens and return their positions [n] (the RoPE angle
+  and the causal order); a policy may evict, or refuse with CacheFullError;
+- `layer(i)` -> `LayerView` of layer i: its K and V buffers, the slots the last `allocate` gave
+  each KV head, the positions slots [0, span) hold (-1: not read) and the scores to add to;
+- `rollback(n)`: forget the last n appended tokens; `can_rollback` says whether the policy
+  can (speculative decoding needs it), `fits(n)`, `free` and `chunk` how many tokens may come;
+- `reset()`: empty, buffers kept;
+- memory figures: `nbytes` (the buffers) and `bytes_per_token` (one token's K and V, all layers).
+
+Layout: K and V are [n_layers, kv_heads, capacity, head_dim]; attention reads slots [0, span),
+in whatever order they hold positions. The policies (`POLICIES`, picked by `--kv-policy`):
 
 - dense (KVCache): fill in order, then refuse;
 - sink (SinkCache): StreamingLLM's attention sinks and a ring over the recent tokens; n_sink = 0
@@ -13,7 +22,8 @@ token takes:
   most attention accumulated, chosen per KV head of every layer.
 
 Dense and sink give every layer and head the same slots (one slot table); h2o keeps one table per
-KV head of each layer, and a score per slot that the attention kernels add to.
+KV head of each layer, and a score per slot that the attention kernels add to. Their settings
+travel as one `CacheOptions`, from the command line or the API to `make_cache`.
 
 Elements are float16 by default, as llama.cpp keeps them: half the memory and half the bytes
 decode attention reads per token, for a relative rounding error of at most 2**-11 per element.
@@ -22,19 +32,67 @@ float32 ("f32") keeps the float path bit-comparable with float32 references.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.memory import ensure_fits
 
 KV_TYPES = {"f16": np.float16, "f32": np.float32}
+DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
 
 
-def kv_dtype(kv_type: str) -> np.dtype:
-    """The element type of a KV cache named as on the command line (`--kv-type`)."""
-    if kv_type not in KV_TYPES:
-        raise TinyrtError(f"unknown KV cache type {kv_type!r}: choose one of {', '.join(KV_TYPES)}")
-    return np.dtype(KV_TYPES[kv_type])
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """How to build a KV cache (`--kv-policy`, `--kv-size`, `--kv-type`, `--sinks`, `--recent`):
+    size None is the model's context, at most DEFAULT_SIZE; sinks for sink and h2o, recent for
+    h2o (None: its default); slack, slots kept for rolling back drafts (sink)."""
+
+    kv_policy: str = "dense"
+    kv_size: int | None = None
+    kv_type: str = "f16"
+    sinks: int = 4
+    recent: int | None = None
+    slack: int = 0
+
+    def __post_init__(self):
+        if self.kv_policy not in POLICIES:
+            raise TinyrtError(f"unknown KV cache policy {self.kv_policy!r}: choose one of "
+                              f"{', '.join(POLICIES)}")
+        if self.kv_type not in KV_TYPES:
+            raise TinyrtError(f"unknown KV cache type {self.kv_type!r}: choose one of "
+                              f"{', '.join(KV_TYPES)}")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(KV_TYPES[self.kv_type])
+
+
+class KVLayout(NamedTuple):
+    """What a cache must know of its model: sizes, and the RoPE frequencies [head_dim/2] (the
+    sink policy re-rotates its sinks' keys)."""
+
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    inv_freq: np.ndarray
+
+    @classmethod
+    def of(cls, model) -> "KVLayout":
+        c = model.config
+        return cls(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, model.inv_freq)
+
+
+class LayerView(NamedTuple):
+    """One layer's part of the cache, as the decoder's attention reads and writes it."""
+
+    k: Any                  # [G, capacity, D] keys (float16 or float32; a backend's array)
+    v: Any                  # [G, capacity, D] values
+    slots: np.ndarray       # [G, n] int64: the slot each KV head puts each new token in
+    k_pos: np.ndarray       # [G, span] int64: the position each slot [0, span) holds (-1: not read)
+    score: Any              # [G, capacity] float32 attention accumulated per slot, or None
 
 
 class KVCache:
@@ -44,14 +102,17 @@ class KVCache:
     streams = False        # whether it takes any number of tokens (evicting) or stops when full
     n_sink = 0
 
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, capacity: int, backend,
-                 dtype=np.float16):
+    def __init__(self, layout: KVLayout, capacity: int, backend,
+                 options: CacheOptions | None = None):
         if capacity <= 0:
             raise CacheFullError(f"the KV cache needs a positive size, got {capacity}")
+        n_layers, kv_heads, head_dim, _ = layout
+        dtype = (options or CacheOptions()).dtype
         if backend.host_memory:          # a GPU reports its own shortage
             ensure_fits(f"a KV cache of {capacity:,} tokens",
-                        2 * n_layers * kv_heads * capacity * head_dim * np.dtype(dtype).itemsize,
+                        2 * n_layers * kv_heads * capacity * head_dim * dtype.itemsize,
                         ": choose a smaller --kv-size")
+        self.layout, self.backend = layout, backend
         self.capacity, self.kv_heads = capacity, kv_heads
         self.k = backend.zeros((n_layers, kv_heads, capacity, head_dim), dtype)
         self.v = backend.zeros((n_layers, kv_heads, capacity, head_dim), dtype)
@@ -60,6 +121,22 @@ class KVCache:
         self.span = 0          # slots [0, span) may be in use
         self.next_pos = 0      # the position the next token gets
         self._slots = self._k_pos = None     # [G, n] and [G, span]: what layer() gives every layer
+
+    @property
+    def can_rollback(self) -> bool:
+        """Whether `rollback` can take back the last tokens (of at most `slack` for a policy that
+        evicts): speculative decoding needs it."""
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V buffers."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's K and V in every layer."""
+        return self.nbytes // self.capacity
 
     @property
     def free(self) -> int:
@@ -99,11 +176,10 @@ class KVCache:
         """The positions of slots [0, span) that attention reads (-1: not read)."""
         return self.slot_pos[:self.span]
 
-    def layer(self, i: int):
-        """Layer i's K and V buffers [G, capacity, D], the slots its KV heads write the tokens
-        of the last `allocate` to [G, n], the positions their slots [0, span) hold [G, span],
-        and the attention scores to add to [G, capacity] (None: the policy keeps none)."""
-        return self.k[i], self.v[i], self._slots, self._k_pos, None
+    def layer(self, i: int) -> LayerView:
+        """Layer i's buffers, the slots of the tokens of the last `allocate` and the positions
+        slots [0, span) hold (see LayerView); no scores."""
+        return LayerView(self.k[i], self.v[i], self._slots, self._k_pos, None)
 
     def rollback(self, n: int) -> None:
         """Forget the last n appended tokens."""
@@ -135,21 +211,23 @@ class SinkCache(KVCache):
     between a query and every token of the window (they are consecutive in the stream). Only the
     sinks fall behind: their distance to a query must be that of cache positions, so once the
     window has moved past position n_sink the sink keys are re-rotated to position
-    i + sink_shift, where sink_shift = (the oldest position in the window) - n_sink. The decoder
-    does that (models.llama, n_sink x kv_heads rows per layer per step) from float32 copies of
-    the sinks' un-rotated keys kept here (`sink_keys`, and their values in `sink_values`), so
-    no rounding accumulates.
+    i + sink_shift, where sink_shift = (the oldest position in the window) - n_sink. `allocate`
+    does that (n_sink x kv_heads rows per layer, all layers in one RoPE and one store) from
+    float32 copies of the sinks' un-rotated keys and of their values, taken from the cache the
+    first time (sink i still rotated by its own position i then), so no rounding accumulates.
     """
 
     policy = "sink"
     streams = True
 
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, capacity: int, backend,
-                 dtype=np.float16, n_sink: int = 4, slack: int = 0):
+    def __init__(self, layout: KVLayout, capacity: int, backend,
+                 options: CacheOptions | None = None):
+        options = options or CacheOptions()
+        n_sink, slack = options.sinks, options.slack
         if not 0 <= n_sink < capacity:
             raise CacheFullError(f"--sinks {n_sink} must be at least 0 and below the KV cache "
                                  f"size {capacity}")
-        super().__init__(n_layers, kv_heads, head_dim, capacity + slack, backend, dtype)
+        super().__init__(layout, capacity + slack, backend, options)
         self.size = capacity         # the sinks and the window; slack slots come on top
         self.n_sink = n_sink
         self.window = capacity - n_sink
@@ -194,7 +272,31 @@ class SinkCache(KVCache):
         pos = self._positions(n)
         self.slot_pos[slots] = pos
         self.span = max(self.span, int(slots.max()) + 1)
+        self._rotate_sinks()
         return self._taken(slots, pos)
+
+    def _rotate_sinks(self) -> None:
+        """Rotate the sinks' cached keys to positions i + sink_shift (see the class), if they
+        are not rotated so already."""
+        n, shift = self.n_sink, self.sink_shift
+        if not n or shift == self.rotated_shift:
+            return
+        be, inv_freq = self.backend, self.layout.inv_freq
+        L, G, C, D = self.k.shape
+        k_buf, v_buf = self.k.reshape(L * G, C, D), self.v.reshape(L * G, C, D)
+        if self.sink_keys is None:
+            cos, sin = be.rope_tables(inv_freq, np.arange(n))
+            self.sink_keys = be.rope(self._rows(k_buf[:, :n]), cos, -sin)     # [n, L*G, D]
+            self.sink_values = self._rows(v_buf[:, :n])
+        cos, sin = be.rope_tables(inv_freq, np.arange(n) + shift)
+        slots = np.tile(np.arange(n), (L * G, 1))                                # [L*G, n]
+        be.store_kv(k_buf, v_buf, slots, be.rope(self.sink_keys, cos, sin), self.sink_values)
+        self.rotated_shift = shift
+
+    def _rows(self, buf) -> np.ndarray:
+        """Cache buffer rows [G, n, D] as float32 [n, G, D]."""
+        return np.ascontiguousarray(
+            self.backend.to_numpy(buf).astype(np.float32).transpose(1, 0, 2))
 
     def _check_chunk(self, n: int) -> None:
         if n > self.window:
@@ -245,9 +347,11 @@ class H2OCache(SinkCache):
 
     policy = "h2o"
 
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, capacity: int, backend,
-                 dtype=np.float16, n_sink: int = 4, recent: int | None = None):
-        super().__init__(n_layers, kv_heads, head_dim, capacity, backend, dtype, n_sink)
+    def __init__(self, layout: KVLayout, capacity: int, backend,
+                 options: CacheOptions | None = None):
+        options = options or CacheOptions()
+        super().__init__(layout, capacity, backend, dataclasses.replace(options, slack=0))
+        n_layers, kv_heads, recent = layout.n_layers, layout.kv_heads, options.recent
         # the recent window by default: 64 tokens, or half the slots past the sinks in a small
         # cache. The default model streaming 2048 tokens through 410 slots: 16 to 64 recent
         # tokens measure best (PPL 23.4 to 23.25), better than H2O's even split (25.6); through
@@ -256,7 +360,6 @@ class H2OCache(SinkCache):
         if not 1 <= self.recent <= self.window:
             raise CacheFullError(f"--recent {self.recent} must be at least 1 and at most the "
                                  f"KV cache size less the sinks ({self.window})")
-        self.backend = backend
         self.slot_pos = np.full((n_layers, kv_heads, capacity), -1, dtype=np.int64)
         self.score = np.zeros((n_layers, kv_heads, capacity), np.float32)
         # each layer's buffers, slot table and scores, indexed once (layer() runs per layer
@@ -279,12 +382,17 @@ class H2OCache(SinkCache):
         np.put_along_axis(self.score, slots, 0, axis=-1)
         self.length = self.span = held + n - evict
         self._slots = slots
+        self._rotate_sinks()
         return pos
 
-    def layer(self, i: int):
+    def layer(self, i: int) -> LayerView:
         k, v, table, score = self._views[i]
         k_pos = table if self.span == self.capacity else np.ascontiguousarray(table[:, :self.span])
-        return k, v, self._slots[i], k_pos, score
+        return LayerView(k, v, self._slots[i], k_pos, score)
+
+    @property
+    def can_rollback(self) -> bool:
+        return False         # once a token is evicted, every score has moved since
 
     def rollback(self, n: int) -> None:
         """Forget the last n appended tokens; refused once tokens were evicted (the scores of
@@ -301,16 +409,8 @@ class H2OCache(SinkCache):
 POLICIES = {"dense": KVCache, "sink": SinkCache, "h2o": H2OCache}
 
 
-def make_cache(policy: str, n_layers: int, kv_heads: int, head_dim: int, capacity: int, backend,
-               dtype=np.float16, n_sink: int = 4, recent: int | None = None,
-               slack: int = 0) -> KVCache:
-    """A KV cache of the named policy (`--kv-policy`); n_sink for sink and h2o, recent for h2o,
-    slack (rollback after eviction) for sink."""
-    if policy not in POLICIES:
-        raise TinyrtError(f"unknown KV cache policy {policy!r}: choose one of {', '.join(POLICIES)}")
-    args = (n_layers, kv_heads, head_dim, capacity, backend, dtype)
-    if policy == "dense":
-        return KVCache(*args)
-    if policy == "sink":
-        return SinkCache(*args, n_sink, slack)
-    return H2OCache(*args, n_sink, recent)
+def make_cache(options: CacheOptions, model) -> KVCache:
+    """A KV cache for `model` (a decoder: its config, RoPE frequencies and backend) as `options`
+    say."""
+    size = options.kv_size or min(model.config.max_position_embeddings, DEFAULT_SIZE)
+    return POLICIES[options.kv_policy](KVLayout.of(model), size, model.backend, options)

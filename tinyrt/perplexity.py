@@ -8,6 +8,7 @@ at a time through a cache of a given policy and size, each step's next-token NLL
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import numpy as np
 
 from tinyrt.errors import TinyrtError
 
-from .kv_cache import KVCache, make_cache
+from .kv_cache import CacheOptions, make_cache
 
 
 @dataclass
@@ -73,8 +74,8 @@ def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
         windows = min(windows, max_windows)
     if windows == 0:
         raise TinyrtError(f"the text has {len(ids)} tokens: fewer than one window of {ctx}")
-    cache = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ctx, llm.backend,
-                    llm.cache.k.dtype)
+    cache = make_cache(dataclasses.replace(llm.cache_options, kv_policy="dense", kv_size=ctx),
+                       llm.model)
     start = time.perf_counter()
     nll = 0.0
     for w in range(windows):
@@ -100,22 +101,22 @@ class StreamPerplexity:
         return {"ppl": self.ppl, "tokens": self.tokens, "windows": 1, "seconds": self.seconds}
 
 
-def stream_perplexity(llm, text: str, *, policy: str, kv_size: int, sinks: int = 4,
-                      recent: int | None = None, max_tokens: int | None = None, skip: int = 0,
-                      progress: Callable[[int, int], None] | None = None) -> StreamPerplexity:
+def stream_perplexity(llm, text: str, cache: CacheOptions, *, max_tokens: int | None = None,
+                      skip: int = 0, progress: Callable[[int, int], None] | None = None
+                      ) -> StreamPerplexity:
     """Feed `text` (tokenized whole; its first `skip` tokens dropped, then cut at `max_tokens`)
-    one token at a time through a fresh cache of `policy` and `kv_size`; perplexity over every
-    next-token prediction. A dense cache must hold the whole text."""
+    one token at a time through a fresh KV cache built as `cache` says (its element type that
+    of the LLM's cache); perplexity over every next-token prediction. A dense cache must hold
+    the whole text."""
     ids = np.asarray(llm.tokenizer.encode(text, add_special=True), dtype=np.int64)
     ids = ids[skip:skip + max_tokens if max_tokens else None]
     if len(ids) < 2:
         raise TinyrtError(f"the text has {len(ids)} tokens: nothing to predict")
-    cfg = llm.config
-    cache = make_cache(policy, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                       kv_size, llm.backend, llm.cache.k.dtype, sinks, recent)
+    options = dataclasses.replace(cache, kv_type=llm.cache_options.kv_type)
+    cache = make_cache(options, llm.model)
     if not cache.fits(len(ids) - 1):
-        raise TinyrtError(f"a dense cache of {kv_size} cannot hold {len(ids) - 1} tokens: use "
-                          "--kv-size at least that, or a streaming policy")
+        raise TinyrtError(f"a dense cache of {cache.capacity} cannot hold {len(ids) - 1} tokens: "
+                          "use --kv-size at least that, or a streaming policy")
     start = time.perf_counter()
     nll = np.empty(len(ids) - 1)
     for t in range(len(ids) - 1):

@@ -29,9 +29,9 @@ def _gguf_rows(path: Path) -> list[tuple[str, str]]:
 
 
 def _dir_rows(path: Path):
-    from tinyrt.models import LlamaConfig, WeightStore
+    from tinyrt.models import ModelConfig, WeightStore
 
-    cfg = LlamaConfig.from_file(path / "config.json")
+    cfg = ModelConfig.from_file(path / "config.json")
     store = WeightStore(path)
     n = sum(math.prod(store.shape(k)) for k in store.keys())
     dtypes = sorted({store.dtype(k) for k in store.keys()})

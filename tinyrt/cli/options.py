@@ -66,10 +66,12 @@ def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
                    help="KV cache element type (default f16: half the memory)")
 
 
-def cache_kwargs(args: argparse.Namespace) -> dict:
-    """Keyword arguments for `tinyrt.load` from the KV cache options."""
-    return dict(kv_size=args.kv_size, kv_type=args.kv_type, kv_policy=args.kv_policy,
-                sinks=args.sinks, recent=args.recent)
+def cache_options(args: argparse.Namespace):
+    """The KV cache options (kv_cache.CacheOptions) given on the command line."""
+    from tinyrt.kv_cache import CacheOptions
+
+    return CacheOptions(kv_policy=args.kv_policy, kv_size=args.kv_size, kv_type=args.kv_type,
+                        sinks=args.sinks, recent=args.recent)
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -83,7 +85,7 @@ def load_llm(args: argparse.Namespace):
     import tinyrt
 
     return tinyrt.load(args.model, device=args.device, threads=args.threads, draft=args.draft,
-                       draft_tokens=args.draft_tokens, **cache_kwargs(args))
+                       draft_tokens=args.draft_tokens, cache=cache_options(args))
 
 
 def speculative_line(t) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tinyrt.errors import TinyrtError
 
-from .options import add_cache_options, add_model_option
+from .options import add_cache_options, add_model_option, cache_options
 
 
 def add_parser(sub) -> None:
@@ -55,8 +55,7 @@ def main(args: argparse.Namespace) -> int:
 
     with bar:
         if args.stream:
-            result = stream_perplexity(llm, text, policy=args.kv_policy, kv_size=args.kv_size,
-                                       sinks=args.sinks, recent=args.recent,
+            result = stream_perplexity(llm, text, cache_options(args),
                                        max_tokens=args.max_tokens, progress=progress)
         else:
             result = perplexity(llm, text, ctx=args.ctx, max_windows=args.max_windows,

@@ -1,0 +1,28 @@
+"""The table of model families, keyed on HF `model_type`: a new family is its model file and a
+line here (see docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from tinyrt.errors import ModelFormatError
+
+from .llama import LLAMA, MISTRAL, Family
+from .qwen2 import QWEN2
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2)}
+
+
+def family(model_type: str) -> Family:
+    """The family of an HF `model_type`; a clear error for one tinyrt does not run."""
+    if model_type not in FAMILIES:
+        raise ModelFormatError(f"unsupported architecture {model_type!r}: tinyrt runs "
+                               f"{', '.join(FAMILIES)} decoders")
+    return FAMILIES[model_type]
+
+
+def gguf_family(arch: str) -> Family:
+    """The family of a GGUF file's `general.architecture`."""
+    for f in FAMILIES.values():
+        if (f.gguf_arch or f.model_type) == arch:
+            return f
+    raise ModelFormatError(f"unsupported architecture {arch!r} (tinyrt runs "
+                           f"{', '.join(f.gguf_arch or f.model_type for f in FAMILIES.values())})")

@@ -1,0 +1,64 @@
+"""The arrows of docs/ARCHITECTURE.md, checked: front ends -> runtime -> models -> kernels, the
+converter beside them and never imported by the runtime; `import tinyrt` stays cheap."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import write_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+# the front ends: they resolve names and files to model directories, and may convert
+FRONT_ENDS = {"tinyrt/registry.py"} | {str(p.relative_to(ROOT)) for p in (ROOT / "tinyrt/cli").glob("*.py")}
+ROOMS = {"kernels": "tinyrt.kernels", "models": "tinyrt.models", "converters": "tinyrt.converters"}
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports, at its top or inside a function, as absolute names."""
+    rel = path.relative_to(ROOT)
+    package = ROOMS.get(rel.parts[0], ".".join(("tinyrt", *rel.parts[1:-1])))
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module) if p)
+            found.add(module)
+            found |= {f"{module}.{a.name}" for a in node.names}
+    return found
+
+
+def files(room: str):
+    return sorted(p for p in (ROOT / room).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_the_arrows_point_one_way():
+    for path in files("kernels"):
+        assert not {m for m in imports(path) if m.startswith("tinyrt")
+                    and not m.startswith("tinyrt.kernels")}, path
+    for path in files("models"):
+        bad = {m for m in imports(path) if m.startswith("tinyrt") and not m.startswith(
+            ("tinyrt.kernels", "tinyrt.models", "tinyrt.errors", "tinyrt.memory"))}
+        assert not bad, (path, bad)
+    for path in files("tinyrt"):
+        if str(path.relative_to(ROOT)) not in FRONT_ENDS:
+            bad = {m for m in imports(path) if m.startswith("tinyrt.converters")}
+            assert not bad, (path, bad)
+
+
+def test_a_loaded_model_runs_without_the_converter(tmp_path):
+    """`tinyrt.load` of a model directory, and a reply, import nothing of the converter; and
+    `import tinyrt` alone imports neither NumPy nor the kernels."""
+    d = write_tiny_model(tmp_path / "m")
+    script = (
+        "import sys, json, tinyrt\n"
+        "cheap = sorted(m for m in ('numpy', 'numba', 'tinyrt.kernels') if m in sys.modules)\n"
+        f"llm = tinyrt.load({str(d)!r}, device='cpu')\n"
+        "text = llm.generate('hello', max_tokens=5)\n"
+        "print(json.dumps([cheap, 'tinyrt.converters' in sys.modules, 'tinyrt.api' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    cheap, converter, ran = json.loads(out.stdout.splitlines()[-1])
+    assert cheap == [] and ran and not converter

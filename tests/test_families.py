@@ -1,0 +1,146 @@
+"""Every model family of models.FAMILIES against transformers' own implementation: tiny random
+models built by transformers from a config (Llama, and Qwen2 with its q/k/v biases, tied and
+untied), their logits and greedy tokens on the CPU and reference devices, dense and sink caches,
+float and 4-bit (4-bit against transformers running the dequantized weights)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import tinyrt
+from gguf_helpers import write_gguf
+from helpers import CHATML, byte_level_tokenizer, hf_logits, hf_model, rel_err, tiny_config
+from tinyrt.converters import convert
+from tinyrt.kernels import awq_layout, reference
+from tinyrt.models import FAMILIES, WeightStore
+
+rng = np.random.default_rng()
+SIZES = dict(vocab_size=320, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "llama": lambda tied: __import__("transformers").LlamaConfig(
+        **SIZES, rope_theta=10000.0, tie_word_embeddings=tied),
+    "qwen2": lambda tied: __import__("transformers").Qwen2Config(
+        **SIZES, rope_theta=1000000.0, tie_word_embeddings=tied),
+}
+FAMILY_CASES = [("llama", False), ("qwen2", True), ("qwen2", False)]
+
+
+def test_every_family_is_tested_here():
+    assert set(CONFIGS) | {"mistral"} == set(FAMILIES)     # mistral: tests/test_model_tiny.py
+
+
+def write_hf_model(directory, family: str, tied: bool, seed: int):
+    """A random model of `family` made and saved by transformers, with a byte-level tokenizer and
+    the ChatML template (Qwen2's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family](tied)).eval()
+    with torch.no_grad():            # transformers initializes biases to zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    byte_level_tokenizer(SIZES["vocab_size"]).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}))
+    return directory
+
+
+def dequantized_oracle(quantized, directory):
+    """transformers' model of a 4-bit model directory: its linears dequantized, and the head as
+    the int8 rows every tinyrt backend runs a 4-bit model's head as (untied)."""
+    import torch
+    from safetensors.torch import save_file
+
+    store = WeightStore(quantized)
+    cfg = json.loads((quantized / "config.json").read_text())
+    w = {}
+    for name in store.keys():
+        module, part = name.rsplit(".", 1)
+        if part == "qweight":
+            parts = (store.get(f"{module}.{p}") for p in awq_layout.QuantizedLinear._fields)
+            w[module + ".weight"] = awq_layout.dequantize(*parts)
+        elif part not in ("qzeros", "scales"):
+            w[name] = store.get_float(name).astype(np.float32)
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    q, s = reference.int8_rows(head)
+    w["lm_head.weight"] = q.astype(np.float32) * s[:, None]
+    directory.mkdir()
+    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in w.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    del cfg["quantization_config"]
+    (directory / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    return hf_model(directory)
+
+
+@pytest.fixture(scope="module", params=FAMILY_CASES, ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}")
+def family_models(request, tmp_path_factory):
+    """(float directory, its transformers model, 4-bit directory, its dequantized oracle)."""
+    family, tied = request.param
+    tmp = tmp_path_factory.mktemp(f"{family}-{tied}")
+    d = write_hf_model(tmp / "float", family, tied, seed=int(rng.integers(1 << 30)))
+    q = convert(d, tmp / "q4", method="rtn", group_size=32)
+    return d, hf_model(d), q, dequantized_oracle(q, tmp / "q4-float")
+
+
+@pytest.mark.parametrize("bits", ["float", "4-bit"])
+@pytest.mark.parametrize("policy", ["dense", "sink"])
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+def test_logits_and_greedy_tokens_match_transformers(family_models, device, policy, bits):
+    """A prompt's logits (a prompt pass), then decode steps one token at a time: every step's
+    logits within 1e-4 of transformers' and the same greedy tokens (the sink cache holds the
+    whole sequence: it differs from dense only once it evicts)."""
+    d, hf, q, oracle = family_models
+    directory, ref = (d, hf) if bits == "float" else (q, oracle)
+    llm = tinyrt.LLM(directory, device=device, kv_policy=policy, kv_size=64, kv_type="f32")
+    ids = rng.integers(3, SIZES["vocab_size"], 24)
+    got = [llm.model.backend.to_numpy(llm.model.forward(ids, llm.cache, all_logits=True))]
+    tokens = list(ids)
+    for _ in range(16):          # greedy, from our logits; each step checked against theirs
+        tokens.append(int(np.argmax(got[-1][-1])))
+        got.append(llm.model.backend.to_numpy(llm.model.forward(tokens[-1:], llm.cache)))
+    want = hf_logits(ref, tokens)
+    assert rel_err(np.concatenate(got)[:-1], want[:-1]) < 1e-4
+    assert tokens[len(ids):] == [int(t) for t in want[len(ids) - 1:-1].argmax(axis=1)]
+
+
+def test_greedy_text_matches_transformers_generate(family_models):
+    """The text of a greedy reply through the whole engine (chat template, generation loop,
+    detokenizer) is transformers' `generate` text."""
+    import torch
+
+    d, hf, _, _ = family_models
+    llm = tinyrt.LLM(d, device="cpu", kv_type="f32")
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    ids = llm.prompt_ids(messages)
+    ours = llm.generate(messages, max_tokens=20, temperature=0, ignore_eos=True)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    assert ours == llm.tokenizer.decode(out[0, len(ids):].tolist())
+
+
+def test_qwen2_gguf_runs_as_transformers(tmp_path):
+    """A Qwen2 GGUF (its Q/K rows as llama.cpp writes them for qwen2: not permuted; biases)
+    converts and runs as transformers runs the same weights."""
+    from helpers import random_weights, write_tiny_model
+
+    cfg = tiny_config(model_type="qwen2", architectures=["Qwen2ForCausalLM"], rope_theta=1e6)
+    d = write_tiny_model(tmp_path / "hf", cfg, seed=int(rng.integers(1 << 30)))
+    weights = random_weights(cfg, seed=7)
+    write_gguf(tmp_path / "m.gguf", cfg, weights, (d / "tokenizer.json").read_text(), arch="qwen2",
+               chat_template=CHATML)
+    out = convert(tmp_path / "m.gguf", tmp_path / "out", method="none", dtype="f32")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+    from safetensors.numpy import save_file
+
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    ids = rng.integers(3, cfg["vocab_size"], 30)
+    llm = tinyrt.LLM(out, device="reference", kv_type="f32")
+    got = llm.model.forward(ids, llm.cache, all_logits=True)
+    assert rel_err(got, hf_logits(hf_model(d), ids)) < 1e-5
