@@ -59,6 +59,9 @@ class LlamaModel:
     logits [T, V] (or [1, V] for the last token only)."""
 
     qkv_bias = False      # whether q, k and v have biases (Qwen2)
+    # whether `layer` is this pre-norm GQA / SwiGLU layer, the one a backend's decode_layer
+    # fuses: a family that overrides the math says no
+    fusable = True
 
     # -- the tensors ------------------------------------------------------------------------------
 
@@ -209,7 +212,7 @@ class LlamaModel:
         release_pages(self.embed)
         for i, L in enumerate(self.layers):
             kv = cache.layer(i)
-            if be.fused_decode(L, len(tokens)):    # this layer's ops in one call (the backend's)
+            if self.fusable and be.fused_decode(L, len(tokens)):   # its ops in one call
                 x = be.decode_layer(x, L, kv, pos, cos, sin, cfg)
             else:
                 x = self.layer(be, cfg, L, x, cos, sin, self._attend(kv, pos))
