@@ -14,11 +14,10 @@ from tinyrt.errors import ModelFormatError, TinyrtError
 from .chat_template import template_from_config
 from .generate import Generation, Response
 from .kernels import get_backend
-from .kv_cache import CacheOptions, make_cache
+from .kv_cache import DEFAULT_SIZE, CacheOptions, make_cache
 from .models import load_model, trim_heap
 from .sampling import Sampler, SamplingParams
-from . import speculative
-from .speculative import MAX_GAMMA, SpeculativeGeneration
+from .speculative import MAX_GAMMA, SpeculativeGeneration, make_drafter
 from .tokenizer import load_tokenizer
 
 Prompt = str | Sequence[dict]
@@ -82,11 +81,13 @@ class LLM:
         if draft is not None:
             if not 1 <= draft_tokens <= 32:
                 raise TinyrtError(f"--draft-tokens must be between 1 and 32, got {draft_tokens}")
-            cache = dataclasses.replace(cache, slack=draft_tokens + 1)
+            # the draft's own cache, if it needs one, of the target's size (not its context's)
+            size = cache.kv_size or min(cfg.max_position_embeddings, DEFAULT_SIZE)
+            cache = dataclasses.replace(cache, slack=draft_tokens + 1, kv_size=size)
         self.draft_tokens = draft_tokens
         self.cache_options = cache
         self.cache = make_cache(cache, self.model)
-        self.drafter = None if draft is None else speculative.make_drafter(
+        self.drafter = None if draft is None else make_drafter(
             str(draft), self.model, self.tokenizer, self.cache,
             lambda model: make_cache(cache, model), load_model, load_tokenizer)
         gen_eos = self.generation_config.get("eos_token_id")

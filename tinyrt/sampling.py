@@ -95,10 +95,7 @@ class Sampler:
         if p.temperature == 0:
             return int(np.argmax(x))
         ids, probs = filtered_probs(x, p)
-        return self._pick(ids, probs)
-
-    def _pick(self, ids: np.ndarray, probs: np.ndarray) -> int:
-        return int(ids[min(np.searchsorted(np.cumsum(probs), self.rng.random()), len(ids) - 1)])
+        return pick(ids, probs, self.rng)
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
         """The distribution `__call__` draws from, dense over the logits' ids: float64 [V];
@@ -117,5 +114,15 @@ class Sampler:
         """A token from a dense distribution (the argmax when greedy)."""
         if self.params.temperature == 0:
             return int(np.argmax(probs))
-        ids = np.flatnonzero(probs)
-        return self._pick(ids, probs[ids] / probs[ids].sum())
+        return draw(probs, self.rng)
+
+
+def pick(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One of `ids` drawn with probabilities `probs` (summing to 1), from one uniform number."""
+    return int(ids[min(np.searchsorted(np.cumsum(probs), rng.random()), len(ids) - 1)])
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """A token from a dense distribution [V] (its zeros never drawn), as `pick` draws."""
+    ids = np.flatnonzero(probs)
+    return pick(ids, probs[ids] / probs[ids].sum(), rng)
