@@ -14,7 +14,7 @@ from tinyrt.errors import ModelFormatError, TinyrtError
 from .chat_template import template_from_config
 from .generate import Generation, Response
 from .kernels import get_backend
-from .kv_cache import DEFAULT_SIZE, CacheOptions, make_cache
+from .kv_cache import CacheOptions, make_cache
 from .models import load_model, trim_heap
 from .sampling import Sampler, SamplingParams
 from .speculative import MAX_GAMMA, SpeculativeGeneration, make_drafter
@@ -82,8 +82,7 @@ class LLM:
             if not 1 <= draft_tokens <= 32:
                 raise TinyrtError(f"--draft-tokens must be between 1 and 32, got {draft_tokens}")
             # the draft's own cache, if it needs one, of the target's size (not its context's)
-            size = cache.kv_size or min(cfg.max_position_embeddings, DEFAULT_SIZE)
-            cache = dataclasses.replace(cache, slack=draft_tokens + 1, kv_size=size)
+            cache = dataclasses.replace(cache, slack=draft_tokens + 1, kv_size=cache.size_for(cfg))
         self.draft_tokens = draft_tokens
         self.cache_options = cache
         self.cache = make_cache(cache, self.model)

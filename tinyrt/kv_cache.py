@@ -69,6 +69,10 @@ class CacheOptions:
     def dtype(self) -> np.dtype:
         return np.dtype(KV_TYPES[self.kv_type])
 
+    def size_for(self, config) -> int:
+        """The cache's size in tokens for a model of `config`."""
+        return self.kv_size or min(config.max_position_embeddings, DEFAULT_SIZE)
+
 
 class KVLayout(NamedTuple):
     """What a cache must know of its model: sizes, and the RoPE frequencies [head_dim/2] (the
@@ -412,5 +416,5 @@ POLICIES = {"dense": KVCache, "sink": SinkCache, "h2o": H2OCache}
 def make_cache(options: CacheOptions, model) -> KVCache:
     """A KV cache for `model` (a decoder: its config, RoPE frequencies and backend) as `options`
     say."""
-    size = options.kv_size or min(model.config.max_position_embeddings, DEFAULT_SIZE)
-    return POLICIES[options.kv_policy](KVLayout.of(model), size, model.backend, options)
+    return POLICIES[options.kv_policy](KVLayout.of(model), options.size_for(model.config),
+                                       model.backend, options)
