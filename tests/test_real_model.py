@@ -43,15 +43,15 @@ def _hf_greedy(model, ids, eos_ids, n=64):
     return [t for t in toks if t not in eos_ids]
 
 
-def _logits_256(llm, wikitext):
-    ids = llm.tokenizer.encode(wikitext[:4000])[:256]
+def _logits_256(llm, long_text):
+    ids = llm.tokenizer.encode(long_text[:4000])[:256]
     assert len(ids) == 256
     llm.cache.reset()
     return ids, llm.model.forward(ids, llm.cache, all_logits=True)
 
 
-def test_logits_agree_with_transformers_over_256_tokens(llm32, hf_gguf_model, wikitext):
-    ids, ours = _logits_256(llm32, wikitext)
+def test_logits_agree_with_transformers_over_256_tokens(llm32, hf_gguf_model, long_text):
+    ids, ours = _logits_256(llm32, long_text)
     want = hf_logits(hf_gguf_model, ids)
     err = rel_err(ours, want)
     print(f"\nlogits relative error (Frobenius) over 256 tokens: {err:.2e}; "
@@ -61,9 +61,9 @@ def test_logits_agree_with_transformers_over_256_tokens(llm32, hf_gguf_model, wi
     assert (ours.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_float16_kv_cache_error(smol_f32, hf_gguf_model, wikitext):
+def test_float16_kv_cache_error(smol_f32, hf_gguf_model, long_text):
     """The default float16 KV cache: the logits' error it adds over 256 tokens stays small."""
-    ids, ours = _logits_256(tinyrt.LLM(smol_f32), wikitext)
+    ids, ours = _logits_256(tinyrt.LLM(smol_f32), long_text)
     want = hf_logits(hf_gguf_model, ids)
     err = rel_err(ours, want)
     agree = (ours.argmax(-1) == want.argmax(-1)).mean()

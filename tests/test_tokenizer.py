@@ -46,10 +46,10 @@ def hf_dir_tok(smol_f16):
     return AutoTokenizer.from_pretrained(str(smol_f16))
 
 
-def test_default_model_whole_wikitext_equals_transformers(smol_tok, hf_dir_tok, wikitext):
-    ours = smol_tok.encode(wikitext)
+def test_default_model_whole_long_text_equals_transformers(smol_tok, hf_dir_tok, long_text):
+    ours = smol_tok.encode(long_text)
     assert len(ours) > 300_000
-    assert ours == hf_dir_tok(wikitext, add_special_tokens=False)["input_ids"]
+    assert ours == hf_dir_tok(long_text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("text", HARD_STRINGS)
@@ -60,12 +60,12 @@ def test_default_model_hard_strings_equal_transformers(smol_tok, hf_dir_tok, hf_
     assert smol_tok.decode(ours, skip_special=False) == text
 
 
-def test_wikitext_lines_equal_transformers_gguf_where_it_follows_the_file(smol_tok, hf_gguf_tokenizer,
-                                                                          wikitext):
+def test_long_text_lines_equal_transformers_gguf_where_it_follows_the_file(smol_tok, hf_gguf_tokenizer,
+                                                                          long_text):
     """transformers' GGUF tokenizer agrees line by line wherever no whitespace precedes a digit."""
     import re
 
-    lines = [l for l in wikitext.split("\n") if l and not re.search(r"\s\d", l)]
+    lines = [l for l in long_text.split("\n") if l and not re.search(r"\s\d", l)]
     assert len(lines) > 1000
     batch = hf_gguf_tokenizer(lines, add_special_tokens=False)["input_ids"]
     assert [smol_tok.encode(l) for l in lines] == batch
@@ -97,18 +97,18 @@ def _train_sentencepiece(d, model_type, text):
 
 
 @pytest.fixture(scope="module", params=["bpe", "unigram"])
-def sp_model(request, tmp_path_factory, wikitext):
+def sp_model(request, tmp_path_factory, long_text):
     return _train_sentencepiece(tmp_path_factory.mktemp(f"sp_{request.param}"), request.param,
-                                wikitext[:300_000])
+                                long_text[:300_000])
 
 
-def test_sentencepiece_model_equals_sentencepiece(sp_model, wikitext):
+def test_sentencepiece_model_equals_sentencepiece(sp_model, long_text):
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(sp_model / "tokenizer.model"))
     ours = load_tokenizer(sp_model)
     assert isinstance(ours, SPTokenizer)
-    for text in [wikitext[300_000:400_000]] + HARD_STRINGS:
+    for text in [long_text[300_000:400_000]] + HARD_STRINGS:
         text = text.replace("<|im_start|>", "").replace("<|im_end|>", "")
         assert ours.encode(text) == sp.encode(text)
         assert ours.encode(text, add_special=True) == [sp.bos_id()] + sp.encode(text)
@@ -126,14 +126,14 @@ def test_sentencepiece_special_tokens_are_split_out(sp_model):
     assert ours.decode(want) == sp.decode(want)
 
 
-def test_spm_gguf_vocab_tokenizes_as_sentencepiece(tmp_path, wikitext):
+def test_spm_gguf_vocab_tokenizes_as_sentencepiece(tmp_path, long_text):
     """A llama-vocab GGUF (tokens, scores, types) becomes a tokenizer.json that matches
     sentencepiece on the BPE model it came from (llama.cpp runs SPM vocabularies by that rule)."""
     import sentencepiece as spm
 
     from tinyrt.converters.gguf_tokenizer import build_tokenizer
 
-    d = _train_sentencepiece(tmp_path, "bpe", wikitext[:300_000])
+    d = _train_sentencepiece(tmp_path, "bpe", long_text[:300_000])
     sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
     n = sp.get_piece_size()
     types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i)
@@ -143,7 +143,7 @@ def test_spm_gguf_vocab_tokenizes_as_sentencepiece(tmp_path, wikitext):
             "bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0}
     tok, add_bos = build_tokenizer(meta)
     assert add_bos
-    for text in [wikitext[300_000:360_000]] + HARD_STRINGS[:5] + HARD_STRINGS[6:]:
+    for text in [long_text[300_000:360_000]] + HARD_STRINGS[:5] + HARD_STRINGS[6:]:
         assert tok.encode(text).ids == [1] + sp.encode(text), text[:50]
 
 
