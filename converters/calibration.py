@@ -1,5 +1,5 @@
 """Calibration text for AWQ: a file the user gives (plain text or JSON lines with a "text" field),
-or by default the Python documentation that ships with Python itself (`pydoc_data.topics`): English
+or by default the Python documentation that ships with Python itself (tinyrt.sample_text): English
 prose with code, always present where tinyrt runs, and never the evaluation text."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import Callable
 import numpy as np
 
 from tinyrt.errors import TinyrtError
-from tinyrt.sample_text import default_text  # noqa: F401  (the default calibration text)
 
 DEFAULT_SAMPLES = 4
 DEFAULT_SEQLEN = 512

@@ -13,6 +13,7 @@ from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import awq_layout
 from tinyrt.models import ModelConfig, expected_shapes, linear_shapes
 from tinyrt.models.weights import write_safetensors
+from tinyrt.sample_text import default_text
 
 from . import calibration
 from .awq import QuantOptions, quantize_model
@@ -171,7 +172,7 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
                                          "zero_point": True, "version": "gemm"}
         calib_text = None
         if method == "awq":
-            calib_text = calibration.read_text(calib) if calib else calibration.default_text()
+            calib_text = calibration.read_text(calib) if calib else default_text()
     with atomic_directory(out, force=force) as tmp:
         for name, content in source.files.items():
             (tmp / name).write_bytes(content.encode("utf-8") if isinstance(content, str) else content)

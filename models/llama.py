@@ -86,7 +86,7 @@ class LlamaModel:
                 shapes[f"model.layers.{i}.{n}.weight"] = (H,)
         q = cfg.quant
         for name, (out, inp) in cls.linear_shapes(cfg).items():
-            if cls.qkv_bias and name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
+            if cls.qkv_bias and name.split(".", 3)[3] in LINEARS["qkv"]:
                 shapes[name + ".bias"] = (out,)
             if q is None:
                 shapes[name + ".weight"] = (out, inp)
