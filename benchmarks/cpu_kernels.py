@@ -1,9 +1,11 @@
-"""The CPU backend's 4-bit linears on a real model, per projection: one token (the GEMV, over all
-layers in turn, so weights come from memory as in decode; G weights/s and GB/s of packed weights,
-scales and zero points read) and a prompt of --tokens tokens (dequantize + BLAS). Medians over
+"""The CPU backend's quantized linears on a real model, per projection: one token (the GEMV, over
+all layers in turn, so weights come from memory as in decode; G weights/s and GB/s of packed
+codes, scales and offsets read) and a prompt of --tokens tokens (dequantize + BLAS). Medians over
 --rounds processes.
 
-    python benchmarks/cpu_kernels.py AWQ_MODEL_DIR [--threads 2] [--reps 30] [--tokens 512] [--rounds 5]
+    python benchmarks/cpu_kernels.py MODEL [--threads 2] [--reps 30] [--tokens 512] [--rounds 5]
+
+MODEL: a quantized GGUF file or AWQ model directory.
 """
 
 import argparse
@@ -34,7 +36,7 @@ def child(args) -> dict:
         for _ in range(args.reps):
             start = time.perf_counter()
             for w in ws:
-                cpu.q4_gemv(x, w.w, w.s, w.z, y, be.threads)
+                cpu.q_gemv(x, w.w, w.s, w.m, w.bits, y, be.threads)
             times.append((time.perf_counter() - start) / len(ws))
         xp = np.random.default_rng(1).standard_normal((args.tokens, n_in)).astype(np.float32)
         be.linear(xp, ws[0])
@@ -44,7 +46,7 @@ def child(args) -> dict:
             be.linear(xp, ws[0])
             prompt.append(time.perf_counter() - start)
         gemv = statistics.median(times)
-        nbytes = ws[0].w.nbytes + ws[0].s.nbytes + ws[0].z.nbytes
+        nbytes = ws[0].w.nbytes + ws[0].s.nbytes + ws[0].m.nbytes
         rows[name] = {"shape": [n_out, n_in], "gemv_us": gemv * 1e6, "gw_s": n_out * n_in / gemv / 1e9,
                       "gb_s": nbytes / gemv / 1e9, "prompt_ms": statistics.median(prompt) * 1e3}
     return rows

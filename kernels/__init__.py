@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import ctypes.util
 
-from . import awq_layout, reference
+from . import awq_layout, quant, reference
 from .awq_layout import QuantizedLinear
+from .quant import QuantWeight
 from .reference import ReferenceBackend
 
 DEVICES = ("auto", "cpu", "cuda", "reference")
@@ -43,4 +44,5 @@ def get_backend(device: str = "auto", threads: int | None = None):
     return CpuBackend(threads)
 
 
-__all__ = ["DEVICES", "get_backend", "awq_layout", "reference", "ReferenceBackend", "QuantizedLinear"]
+__all__ = ["DEVICES", "get_backend", "awq_layout", "quant", "reference", "ReferenceBackend",
+           "QuantizedLinear", "QuantWeight"]

@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import quant
+
+
 class QuantizedLinear(NamedTuple):
     """A 4-bit linear layer in this layout."""
 
@@ -66,3 +69,13 @@ def shapes(in_features: int, out_features: int, group_size: int) -> dict[str, tu
     return {"qweight": (in_features, out_features // PACK),
             "qzeros": (in_features // group_size, out_features // PACK),
             "scales": (in_features // group_size, out_features)}
+
+
+def to_quant(layer: QuantizedLinear) -> quant.QuantWeight:
+    """The layer in the runtime's one quantized form (kernels.quant): codes transposed to
+    [out, in], scale s, offset -z * s (exact in float32: an 11-bit significand times a 4-bit
+    integer)."""
+    s = layer.scales.astype(np.float32)                                # [in/g, out]
+    offset = -unpack(layer.qzeros).astype(np.float32) * s
+    return quant.make(np.ascontiguousarray(unpack(layer.qweight).T), 4,
+                      np.ascontiguousarray(s.T), np.ascontiguousarray(offset.T))

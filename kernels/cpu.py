@@ -1,13 +1,14 @@
 """Numba CPU kernels and the backend that runs the decoder on them.
 
-Decode at batch 1 reads every weight once per token, so the 4-bit weights are read as they are
-packed, never as a dequantized copy. The AutoAWQ layout (see awq_layout) is repacked once, at load,
-into the pair-planar tiles of simd (all projections that share an input fused into one layer);
-scales stay float16 and zero points become bytes. A one-token GEMV rounds the activations to int16
-(one scale per block of at most X_BLOCK inputs, inside one quantization group) and sums codes times
-activations in integers, 32 pairs per instruction (simd.tile_dot), then per block and output
+Decode at batch 1 reads every weight once per token, so quantized weights are read as they are
+packed, never as a dequantized copy. A quantized layer (kernels.quant: 4- or 8-bit codes, a float
+scale and offset per group) is repacked once, at load, into the pair-planar tiles of simd (all
+projections that share an input fused into one layer); scales and offsets stay as they are
+stored (float16 or float32). A GEMV rounds the activations to int16 (one scale per block of at
+most X_BLOCK inputs, inside one quantization group) and sums codes times activations in
+integers, 32 pairs per instruction (simd.tile_dot4, tile_dot8), then per block and output
 
-    y[o] += s[g, o] * (sx[b] * sum_{i in b} x_q[i] q[i, o]  -  z[g, o] * sx[b] * sum_{i in b} x_q[i])
+    y[o] += s[g, o] * sx[b] * sum_{i in b} x_q[i] q[i, o]  +  m[g, o] * sx[b] * sum_{i in b} x_q[i]
 
 One token runs each decoder layer as one fused kernel call (decode_layer); GEMVs and decode
 attention split their work among threads. A few tokens (up to SMALL_TOKENS: a draft's
@@ -17,7 +18,8 @@ what a one-token call of the same kernels gives it, to the bit.
 
 Prompts (more than SMALL_TOKENS tokens) dequantize a tile of a layer's columns at a time into a
 scratch buffer and call BLAS through NumPy per tile; prompt attention is blocked BLAS matmuls
-(attention_prompt). The LM head is quantized at load to int8 per row (see prepare_head).
+(attention_prompt). A float LM head of a quantized model is quantized at load to int8 per row
+(see prepare_head).
 Attention over the cache in decode, RMSNorm, RoPE and SiLU·mul are Numba loops. The KV cache
 holds float16 (read as uint16 bits and converted in the loads) or float32.
 
@@ -36,13 +38,13 @@ import numpy as np
 from numba import njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
-from . import awq_layout, jit_cache, reference, simd
+from . import jit_cache, quant, reference, simd
 
 jit_cache.guard()
 
 SMALL_TOKENS = 16        # up to this many tokens (a draft's verification), layers run as GEMVs
                          # that read the weights once for all and attention as decode attention
-                         # per token; above, 4-bit layers dequantize + BLAS
+                         # per token; above, quantized layers dequantize + BLAS
 PROMPT_BLOCK = 128       # queries per block of prompt attention
 X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
 DEQUANT_TILE_BYTES = 8 << 20   # a prompt GEMM's dequantized tile: any layer of the default model
@@ -64,19 +66,20 @@ def _prange_only() -> dict:
                 numpy=False, stencil=False, fusion=False)
 
 
-class Q4Linear(NamedTuple):
-    """A 4-bit linear layer in pair-planar tiles of simd.LANES outputs (see simd), the last tile
-    padded with zero codes and scales; scales and zero points in tiles alike, so a tile's
-    weights, scales and zero points each lie in one piece."""
+class QLinear(NamedTuple):
+    """A quantized layer (kernels.quant) in pair-planar tiles of simd.LANES outputs (see simd),
+    the last tile padded with zero codes, scales and offsets; scales and offsets in tiles alike,
+    so a tile's codes, scales and offsets each lie in one piece."""
 
-    w: np.ndarray        # int32 [tiles, in/8, LANES]: output LANES k + j's codes for inputs 8r .. 8r+7 in w[k, r, j]
-    s: np.ndarray        # uint16 [tiles, in/g, LANES]: the float16 scales' bits
-    z: np.ndarray        # uint8 [tiles, in/g, LANES]: zero points
+    w: np.ndarray        # int32 [tiles, in*bits/32, LANES]: output LANES k + j's codes in w[k, :, j]
+    s: np.ndarray        # [tiles, in/g, LANES] scales: float32, or float16 bits as uint16
+    m: np.ndarray        # [tiles, in/g, LANES] offsets, as s
+    bits: int
     n_out: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n_out, 8 * self.w.shape[1]           # (out, in), as a float weight
+        return self.n_out, 32 * self.w.shape[1] // self.bits    # (out, in), as a float weight
 
 
 class Int8Rows(NamedTuple):
@@ -93,47 +96,39 @@ class Int8Rows(NamedTuple):
 # -- repacking, once at load ---------------------------------------------------------------------
 
 @njit(parallel=_prange_only(), cache=True)
-def _repack_pairs(src, col0, dst):
-    """Add a packed AutoAWQ part src int32 [in, out_p/8] whose outputs start at col0 into the
-    pair-planar tiles dst int32 [tiles, in/8, LANES]."""
-    rows, words = src.shape
-    for r in prange(rows // 8):
-        for t in range(8):
-            shift = np.uint32(simd.pair_shift(t))
-            for c in range(words):
-                word = np.uint32(src[8 * r + t, c])
-                for k in range(8):
-                    code = (word >> np.uint32(4 * k)) & np.uint32(15)
-                    o = col0 + 8 * c + (2 * k if k < 4 else 2 * k - 7)   # awq_layout.ORDER[k]
-                    tile, j = o // simd.LANES, o % simd.LANES
-                    dst[tile, r, j] = np.int32(np.uint32(dst[tile, r, j]) | (code << shift))
+def _tile_codes(codes, bits, dst):
+    """Codes uint8 [out, in] (one per byte) of `bits` bits -> the pair-planar tiles dst int32
+    [tiles, in*bits/32, LANES] (zeroed; each output's lane written once)."""
+    out, n_in = codes.shape
+    per = 32 // bits
+    for o in prange(out):
+        k, j = o // simd.LANES, o % simd.LANES
+        for r in range(n_in // per):
+            word = np.uint32(0)
+            for t in range(per):
+                word |= np.uint32(codes[o, r * per + t]) << np.uint32(simd.pair_shift(t, bits))
+            dst[k, r, j] = np.int32(word)
 
 
-def repack(parts: list) -> Q4Linear:
-    """AutoAWQ parts (QuantizedLinear) that share an input -> one pair-planar Q4Linear."""
-    rows = parts[0].qweight.shape[0]
-    groups = parts[0].scales.shape[0]
-    for p in parts:
-        if p.qweight.shape[0] != rows or p.scales.shape[0] != groups:
-            raise ValueError("fused 4-bit parts must share input size and group size")
-    if (rows // groups) % 8:
-        raise ValueError(f"group size {rows // groups} is not a multiple of 8")
-    out = sum(p.scales.shape[1] for p in parts)
+def repack(parts: list) -> QLinear:
+    """Quantized layers (quant.QuantWeight) that share an input -> one QLinear (quant.concat
+    gives the parts a common form first, exactly)."""
+    w = quant.concat(parts)
+    (out, n_in), bits = w.shape, w.bits
+    if w.group_size % (32 // bits) or w.group_size % 2:
+        raise ValueError(f"groups of {w.group_size} inputs do not fill whole words of "
+                         f"{bits}-bit codes")
     tiles = -(-out // simd.LANES)
-    w = np.zeros((tiles, rows // 8, simd.LANES), np.int32)
-    col = 0
-    for p in parts:
-        _repack_pairs(np.ascontiguousarray(p.qweight), col, w)
-        col += p.scales.shape[1]
+    dst = np.zeros((tiles, n_in * bits // 32, simd.LANES), np.int32)
+    _tile_codes(quant.unpack(w), bits, dst)
 
-    def in_tiles(a):                    # [in/g, out] -> [tiles, in/g, LANES], zeros after out
-        padded = np.zeros((groups, tiles * simd.LANES), a.dtype)
-        padded[:, :out] = a
-        return np.ascontiguousarray(padded.reshape(groups, tiles, simd.LANES).transpose(1, 0, 2))
+    def in_tiles(a):                    # [out, in/g] -> [tiles, in/g, LANES], zeros after out
+        padded = np.zeros((tiles * simd.LANES, a.shape[1]), a.dtype)
+        padded[:out] = a
+        t = np.ascontiguousarray(padded.reshape(tiles, simd.LANES, -1).transpose(0, 2, 1))
+        return t.view(np.uint16) if t.dtype == np.float16 else t
 
-    s = in_tiles(np.concatenate([p.scales.astype(np.float16) for p in parts], axis=1).view(np.uint16))
-    z = in_tiles(np.concatenate([awq_layout.unpack(p.qzeros) for p in parts], axis=1))
-    return Q4Linear(w, s, z, out)
+    return QLinear(dst, in_tiles(w.scale), in_tiles(w.offset), bits, out)
 
 
 @njit(parallel=_prange_only(), cache=True, error_model="numpy")
@@ -158,7 +153,7 @@ def quantize_int8_rows(w: np.ndarray, block: int = 512) -> Int8Rows:
     return Int8Rows(q, s)
 
 
-# -- 4-bit linear --------------------------------------------------------------------------------
+# -- quantized linear --------------------------------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
 def quantize_pairs(x, block, xp, sx, xsum):
@@ -182,29 +177,32 @@ def quantize_pairs(x, block, xp, sx, xsum):
 
 
 @njit(fastmath=True, cache=True)
-def _q4_tiles(xp, sx, xsum, w, s, z, y, k0, k1):
-    """Tiles k0 .. k1-1 of the GEMV of a 4-bit layer (pair-planar tiles) for T tokens'
-    activations xp, sx, xsum [T, ...] (from quantize_pairs) into y [T, out] (simd.tile_dot). A
-    tile stays in the L1 cache from one token to the next; each token's outputs are the same
-    sums in the same order whatever T."""
+def _q_tiles(xp, sx, xsum, w, s, m, bits, y, k0, k1):
+    """Tiles k0 .. k1-1 of the GEMV of a quantized layer (pair-planar tiles) for T tokens'
+    activations xp, sx, xsum [T, ...] (from quantize_pairs) into y [T, out] (simd.tile_dot4 /
+    tile_dot8). A tile stays in the L1 cache from one token to the next; each token's outputs
+    are the same sums in the same order whatever T."""
     T, n_out = y.shape
     out = np.empty(simd.LANES, np.float32)
     for k in range(k0, k1):
         c0 = k * simd.LANES
         n = min(simd.LANES, n_out - c0)
         for t in range(T):
-            simd.tile_dot(w, k, xp, sx, xsum, s, z, t, out)
+            if bits == 4:
+                simd.tile_dot4(w, k, xp, sx, xsum, s, m, t, out)
+            else:
+                simd.tile_dot8(w, k, xp, sx, xsum, s, m, t, out)
             for j in range(n):
                 y[t, c0 + j] = out[j]
 
 
 @njit(parallel=_prange_only(), cache=True)
-def q4_gemv(x, w, s, z, y, threads):
-    """y [T, out] = x [T, in] @ W.T for a few tokens and a 4-bit layer in pair-planar tiles. The
-    activations are quantized to int16 in blocks of at most X_BLOCK inputs (a block never spans
-    two quantization groups: its size divides the group size), so the inner loop is integer
-    pairwise multiply-adds (simd); `threads` tasks take runs of tiles, each read from memory
-    once for all the tokens."""
+def q_gemv(x, w, s, m, bits, y, threads):
+    """y [T, out] = x [T, in] @ W.T for a few tokens and a quantized layer in pair-planar tiles
+    (QLinear's arrays). The activations are quantized to int16 in blocks of at most X_BLOCK
+    inputs (a block never spans two quantization groups: its size divides the group size), so
+    the inner loop is integer pairwise multiply-adds (simd); `threads` tasks take runs of tiles,
+    each read from memory once for all the tokens."""
     T, n_in = x.shape
     block = math.gcd(n_in // s.shape[1], X_BLOCK)
     xp = np.empty((T, n_in // 2), np.int32)
@@ -216,26 +214,28 @@ def q4_gemv(x, w, s, z, y, threads):
     tasks = max(1, min(threads, tiles))
     step = (tiles + tasks - 1) // tasks
     for task in prange(tasks):
-        _q4_tiles(xp, sx, xsum, w, s, z, y, task * step, min(tiles, task * step + step))
+        _q_tiles(xp, sx, xsum, w, s, m, bits, y, task * step, min(tiles, task * step + step))
 
 
 @njit(fastmath=True, cache=True)
-def q4_dequantize(w, s, z, c0, c1, dst):
-    """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a 4-bit layer in pair-planar
+def q_dequantize(w, s, m, bits, c0, c1, dst):
+    """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a quantized layer in pair-planar
     tiles, c0 a multiple of LANES. On one thread, on purpose: BLAS runs next, and OpenMP workers
     left spinning by a parallel loop would take its cores for milliseconds, slowing every prompt
     GEMM several times over."""
-    g = 8 * w.shape[1] // s.shape[1]
+    per = 32 // bits
+    g = per * w.shape[1] // s.shape[1]
+    mask = (1 << bits) - 1
     for r in range(w.shape[1]):
-        for t in range(8):
-            i, shift = 8 * r + t, simd.pair_shift(t)
+        for t in range(per):
+            i, shift = per * r + t, simd.pair_shift(t, bits)
             for k in range(c0 // simd.LANES, (c1 + simd.LANES - 1) // simd.LANES):
-                words, zeros, scales = w[k, r], z[k, i // g], s[k, i // g]
+                words, scales, offsets = w[k, r], s[k, i // g], m[k, i // g]
                 n = min(simd.LANES, c1 - k * simd.LANES)
                 row = dst[i, k * simd.LANES - c0:]    # views: indices from range() need no
                 for j in range(n):                     # wraparound check, which would keep the
-                    row[j] = (np.float32((words[j] >> shift) & 15) - np.float32(zeros[j])) \
-                        * simd.float_from_half(scales[j])   # loop from vectorizing
+                    row[j] = np.float32((words[j] >> shift) & mask) \
+                        * simd.as_float(scales[j]) + simd.as_float(offsets[j])   # loop from vectorizing
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
@@ -271,7 +271,7 @@ def gemv_rows(x, w, s, y, nchunk):
 @njit(fastmath=True, cache=True)
 def int8_dequantize(q, s, c0, c1, dst):
     """dst float32 [in, c1 - c0] = columns [c0, c1) of (q * s[:, None]).T, on one thread (see
-    q4_dequantize)."""
+    q_dequantize)."""
     for r in range(c1 - c0):
         row, scale = q[c0 + r], s[c0 + r]
         for i in range(q.shape[1]):
@@ -347,7 +347,7 @@ def _swiglu_row(gu, y):
 @njit(fastmath=True, cache=True)
 def swiglu(gu):
     """gu [T, 2I] C-contiguous (the fused gate/up output, gate first) -> silu(gate) * up [T, I].
-    On one thread: a prompt's BLAS calls come before and after (see q4_dequantize)."""
+    On one thread: a prompt's BLAS calls come before and after (see q_dequantize)."""
     T, I = gu.shape[0], gu.shape[1] // 2
     y = np.empty((T, I), np.float32)
     for t in range(T):
@@ -385,7 +385,7 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, g, out, top, 
         for r in range(R):
             acc = simd.cache_dot(q, g * R + r, kg, s, Dv)
             for d in range(Dv, D):
-                acc += q[g * R + r, d] * simd.from_cache(kg[s, d])
+                acc += q[g * R + r, d] * simd.as_float(kg[s, d])
             scores[r, s - s0] = acc * scale
     for r in range(R):
         h, sr = g * R + r, scores[r]
@@ -415,11 +415,11 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, g, out, top, 
         for s in range(s, s0 + n):
             e = sr[s - s0]
             for d in range(Dv):
-                out[h, d] += e * simd.from_cache(vg[s, d])
+                out[h, d] += e * simd.as_float(vg[s, d])
         for s in range(s0, s0 + n):
             e = sr[s - s0]
             for d in range(Dv, D):
-                out[h, d] += e * simd.from_cache(vg[s, d])
+                out[h, d] += e * simd.as_float(vg[s, d])
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
@@ -518,7 +518,7 @@ def _masked_softmax(s, q_pos, k_pos, window, sums):
     """Scores s [M, B, n] of B queries at positions q_pos [B] (for M heads) over the slots of
     positions k_pos[:n] -> e**(score - row max) in place, 0 where a slot is hidden (free, after
     the query, or out of the window); sums [M, B] = the rows' sums. Branch-free inner loops
-    (they vectorize); on one thread, between two BLAS calls (see q4_dequantize)."""
+    (they vectorize); on one thread, between two BLAS calls (see q_dequantize)."""
     M, B, n = s.shape
     far = window if window > 0 else np.iinfo(np.int64).max
     for b in range(B):
@@ -576,37 +576,43 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, score=None, bloc
 # -- one decoder layer for one token, fused ------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
-def decode_layer(x, in_norm, post_norm, eps,
-                 qkv_w, qkv_s, qkv_z, qkv_b, o_w, o_s, o_z, gu_w, gu_s, gu_z, d_w, d_s, d_z,
+def _linear(x, w, y, threads):
+    """y [T, out] = x [T, in] @ W.T for a QLinear w (q_gemv)."""
+    q_gemv(x, w.w, w.s, w.m, w.bits, y, threads)
+
+
+@njit(fastmath=True, cache=True)
+def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
                  k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
     """A few tokens x [T, H] (a decode step, a draft's verification) through one decoder layer
-    of 4-bit linears, in place; their K/V go to `slots` [G, T] of the cache buffers k_buf,
-    v_buf [G, S, D] (k_pos [G, S] already holds their positions `pos` [T]; score as for
-    attention_decode); qkv_b [(Q+2G)*D] the q/k/v biases, or empty: none. The ops of the model
-    file's layer (models.llama LlamaModel.layer) in a single call, so the costs of a call from
-    Python are paid once per layer; each token's result is the one it gets alone, to the bit."""
+    of quantized linears (QLinear: qkv, o, gate_up, down), in place; their K/V go to `slots`
+    [G, T] of the cache buffers k_buf, v_buf [G, S, D] (k_pos [G, S] already holds their
+    positions `pos` [T]; score as for attention_decode); qkv_b [(Q+2G)*D] the q/k/v biases, or
+    empty: none. The ops of the model file's layer (models.llama LlamaModel.layer) in a single
+    call, so the costs of a call from Python are paid once per layer; each token's result is
+    the one it gets alone, to the bit."""
     T, H = x.shape
     G, D = k_buf.shape[0], k_buf.shape[2]
     Qd, Gd = n_heads * D, G * D
-    qkv = np.empty((T, Qd + 2 * Gd), np.float32)
-    q4_gemv(rmsnorm(x, in_norm, eps), qkv_w, qkv_s, qkv_z, qkv, threads)
+    qkv_out = np.empty((T, Qd + 2 * Gd), np.float32)
+    _linear(rmsnorm(x, in_norm, eps), qkv, qkv_out, threads)
     if qkv_b.shape[0]:
         for t in range(T):
-            qkv[t] += qkv_b
-    q = rope(np.ascontiguousarray(qkv[:, :Qd]).reshape(T, n_heads, D), cos, sin)
-    k = rope(np.ascontiguousarray(qkv[:, Qd:Qd + Gd]).reshape(T, G, D), cos, sin)
-    store_kv(k_buf, v_buf, slots, k, np.ascontiguousarray(qkv[:, Qd + Gd:]).reshape(T, G, D))
+            qkv_out[t] += qkv_b
+    q = rope(np.ascontiguousarray(qkv_out[:, :Qd]).reshape(T, n_heads, D), cos, sin)
+    k = rope(np.ascontiguousarray(qkv_out[:, Qd:Qd + Gd]).reshape(T, G, D), cos, sin)
+    store_kv(k_buf, v_buf, slots, k, np.ascontiguousarray(qkv_out[:, Qd + Gd:]).reshape(T, G, D))
     a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads, score)
     y = np.empty((T, H), np.float32)
-    q4_gemv(a.reshape(T, Qd), o_w, o_s, o_z, y, threads)
+    _linear(a.reshape(T, Qd), o, y, threads)
     x += y
-    n_inner = 8 * d_w.shape[1]
+    n_inner = down.w.shape[1] * 32 // down.bits
     gu = np.empty((T, 2 * n_inner), np.float32)
-    q4_gemv(rmsnorm(x, post_norm, eps), gu_w, gu_s, gu_z, gu, threads)
+    _linear(rmsnorm(x, post_norm, eps), gate_up, gu, threads)
     act = np.empty((T, n_inner), np.float32)
     for t in range(T):
         _swiglu_row(gu[t], act[t])
-    q4_gemv(act, d_w, d_s, d_z, y, threads)
+    _linear(act, down, y, threads)
     x += y
 
 
@@ -628,7 +634,7 @@ def _bits(buf: np.ndarray) -> np.ndarray:
 
 
 class CpuBackend(reference.ReferenceBackend):
-    """The decoder's ops on the Numba kernels above. Prepared weights: Q4Linear for 4-bit
+    """The decoder's ops on the Numba kernels above. Prepared weights: QLinear for quantized
     projections, Int8Rows for the LM head, float32 [out, in] arrays for float projections."""
 
     name = "cpu"
@@ -640,7 +646,7 @@ class CpuBackend(reference.ReferenceBackend):
         self._scratch = np.empty(0, np.float32)
 
     def prepare_linear(self, parts: list):
-        if all(isinstance(p, awq_layout.QuantizedLinear) for p in parts):
+        if all(isinstance(p, quant.QuantWeight) for p in parts):
             return repack(parts)
         return super().prepare_linear(parts)
 
@@ -663,8 +669,8 @@ class CpuBackend(reference.ReferenceBackend):
         for c0 in range(0, n_out, cols):
             c1 = min(n_out, c0 + cols)
             dst = self._scratch[:n_in * (c1 - c0)].reshape(n_in, c1 - c0)
-            if isinstance(w, Q4Linear):
-                q4_dequantize(w.w, w.s, w.z, c0, c1, dst)
+            if isinstance(w, QLinear):
+                q_dequantize(w.w, w.s, w.m, w.bits, c0, c1, dst)
             else:
                 int8_dequantize(w.q, w.s, c0, c1, dst)
             tiles.append(x @ dst)
@@ -685,24 +691,21 @@ class CpuBackend(reference.ReferenceBackend):
         if isinstance(w, Int8Rows):
             gemv_rows(x, w.q, w.s, y, self.threads)
         else:
-            q4_gemv(x, w.w, w.s, w.z, y, self.threads)
+            q_gemv(x, w.w, w.s, w.m, w.bits, y, self.threads)
         return y
 
     def fused_decode(self, layer, tokens: int) -> bool:
         return tokens <= SMALL_TOKENS and all(
-            isinstance(w, Q4Linear) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            isinstance(w, QLinear) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def decode_layer(self, x, layer, kv, pos, cos, sin, cfg):
         """A few tokens x [T, H] through decoder layer `layer` (models.llama.Layer) over the
         cache layer `kv` (kv_cache.LayerView), for a model of config `cfg` (the kernel
         decode_layer)."""
         x = np.array(x, np.float32)
-        lins = [layer.qkv.w, layer.qkv.s, layer.qkv.z,
-                _NO_SCALES if layer.qkv_bias is None else layer.qkv_bias]
-        for w in (layer.o, layer.gate_up, layer.down):
-            lins += [w.w, w.s, w.z]
-        decode_layer(x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), *lins,
-                     _bits(kv.k), _bits(kv.v), kv.slots, np.ascontiguousarray(pos, np.int64),
+        bias = _NO_SCALES if layer.qkv_bias is None else layer.qkv_bias
+        decode_layer(x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), layer.qkv,
+                     bias, layer.o, layer.gate_up, layer.down, _bits(kv.k), _bits(kv.v), kv.slots, np.ascontiguousarray(pos, np.int64),
                      kv.k_pos, _scores(kv.score), cos, sin, cfg.num_attention_heads,
                      np.float32(cfg.head_dim ** -0.5), cfg.sliding_window or 0, self.threads)
         return x

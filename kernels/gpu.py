@@ -1,11 +1,11 @@
 """Numba CUDA kernels for the decoder's per-token path (one token at batch 1, memory-bound).
 
-Each kernel computes what its NumPy reference (kernels.reference, awq_layout) computes, and is
+Each kernel computes what its NumPy reference (kernels.reference, quant) computes, and is
 tested against it on fresh random inputs in Numba's CUDA simulator, where CI runs them (no GPU
 there). Arrays are anything with the CUDA array interface: torch tensors on the GPU, shared with
-the kernels without copies; NumPy arrays in the simulator. Activations are float32; the 4-bit
-weights are read as they are stored in the AutoAWQ GEMM layout (awq_layout: int32 words of 8
-nibbles, nibble j holding output channel 8c + ORDER[j]), never dequantized to memory.
+the kernels without copies; NumPy arrays in the simulator. Activations are float32; quantized
+weights are read in the runtime's one form (kernels.quant), their codes as int32 words along
+each output row, never dequantized to memory for a token.
 
 Launch shapes are the `launch_*` helpers' business: the kernels take their arrays, the helpers
 pick grid and block.
@@ -20,70 +20,54 @@ import numba
 import numpy as np
 from numba import cuda, float32
 
-from . import awq_layout, reference
+from . import quant, reference
 
 
 # Numba's CUDA simulator runs every CUDA thread as a Python thread: there, blocks are smaller
 # (the same code: every kernel is written for any of these sizes)
 _SIM = bool(numba.config.ENABLE_CUDASIM)
-WORDS = 4 if _SIM else 32      # int32 word columns (8 outputs each) per block of the 4-bit GEMV:
-                               # a warp reads 32 neighbouring words of a row, 128 bytes at once
-SLICES = 2 if _SIM else 8      # groups of input rows per block of the 4-bit GEMV, summed in
-                               # shared memory
-LANES = 4 if _SIM else 32      # threads per output row of the float GEMV (a warp)
-ROWS = 2 if _SIM else 8        # output rows per block of the float GEMV
+LANES = 4 if _SIM else 32      # threads per output row of a GEMV (a warp: neighbouring words of
+                               # a row, 128 bytes at once)
+ROWS = 2 if _SIM else 8        # output rows per block of a GEMV
 THREADS = 8 if _SIM else 128   # threads per block of RMSNorm and of decode attention (a power
                                # of two: the block reductions halve it)
 HALF_MAX = 65504.0   # the largest finite float16 (a float16 cache clamps to it, as the reference)
 
 
-@cuda.jit(device=True, inline=True)
-def _nibble_channel(j):
-    """The output channel (within its word) of nibble j: ORDER = [0, 2, 4, 6, 1, 3, 5, 7]."""
-    return (j & 3) * 2 + (j >> 2)
-
-
 @cuda.jit
-def q4_gemv(x, qweight, qzeros, scales, y):
-    """y [out] = x [in] @ W.T, W in the AutoAWQ GEMM layout: qweight int32 [in, out/8], qzeros
-    int32 [in/g, out/8], scales float16 [in/g, out]. Block (WORDS, SLICES): thread (c, sl) takes
-    word column c of the block's WORDS and the quantization groups sl, sl + SLICES, ...; per group
-    sum_i x[i] q[i, o] and sum_i x[i], then s * (dot - z * xsum); the slices' partial sums are
-    added in shared memory."""
-    c = cuda.blockIdx.x * WORDS + cuda.threadIdx.x
-    sl = cuda.threadIdx.y
-    n_in, words = qweight.shape
-    groups = scales.shape[0]
-    g = n_in // groups
-    acc = cuda.local.array(8, float32)
-    dot = cuda.local.array(8, float32)
-    for j in range(8):
-        acc[j] = 0
-    if c < words:
-        for gi in range(sl, groups, SLICES):
-            for j in range(8):
-                dot[j] = 0
+def q_gemv(x, codes, scale, offset, bits, y):
+    """y [out] = x [in] @ W.T for a quantized layer (kernels.quant): codes int32 [out, in*bits/32]
+    (word c of row o holds inputs n c .. n c + n - 1, n = 32 / bits, input n c + t at bit
+    bits * t: the contract's bytes read four at a time), scale and offset [out, in/g] (float16
+    or float32). Block (LANES, ROWS): a warp per output row, its lanes taking every LANES-th
+    word; per word sum x q and x over its inputs (one group: n divides g), then
+    s * dot + m * xsum; the lanes' sums added in shared memory."""
+    lane, r = cuda.threadIdx.x, cuda.threadIdx.y
+    o = cuda.blockIdx.x * ROWS + r
+    words = codes.shape[1]
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    acc = float32(0)
+    if o < codes.shape[0]:
+        g = words * per // scale.shape[1]
+        for c in range(lane, words, LANES):
+            w = codes[o, c]
+            dot = float32(0)
             xsum = float32(0)
-            for i in range(gi * g, gi * g + g):
-                xi = x[i]
-                w = qweight[i, c]
+            for t in range(per):
+                xi = x[per * c + t]
+                dot += xi * float32((w >> (bits * t)) & mask)
                 xsum += xi
-                for j in range(8):
-                    dot[j] += xi * float32((w >> (4 * j)) & 15)
-            zw = qzeros[gi, c]
-            for j in range(8):
-                o = _nibble_channel(j)
-                acc[o] += float32(scales[gi, 8 * c + o]) * (dot[j] - float32((zw >> (4 * j)) & 15) * xsum)
-    part = cuda.shared.array((SLICES, WORDS, 8), float32)
-    for o in range(8):
-        part[sl, cuda.threadIdx.x, o] = acc[o]
+            gi = per * c // g
+            acc += float32(scale[o, gi]) * dot + float32(offset[o, gi]) * xsum
+    part = cuda.shared.array((ROWS, LANES), float32)
+    part[r, lane] = acc
     cuda.syncthreads()
-    if sl == 0 and c < words:
-        for o in range(8):
-            total = float32(0)
-            for k in range(SLICES):
-                total += part[k, cuda.threadIdx.x, o]
-            y[8 * c + o] = total
+    if lane == 0 and o < codes.shape[0]:
+        total = float32(0)
+        for k in range(LANES):
+            total += part[r, k]
+        y[o] = total
 
 
 @cuda.jit
@@ -227,8 +211,10 @@ def _blocks(n: int, per: int) -> int:
     return max(1, (n + per - 1) // per)
 
 
-def launch_q4_gemv(x, qweight, qzeros, scales, y) -> None:
-    q4_gemv[_blocks(qweight.shape[1], WORDS), (WORDS, SLICES)](x, qweight, qzeros, scales, y)
+def launch_q_gemv(x, w, y) -> None:
+    """y [out] = x [in] @ W.T for a GpuQuant w."""
+    q_gemv[_blocks(w.codes.shape[0], ROWS), (LANES, ROWS)](x, w.codes, w.scale, w.offset,
+                                                            w.bits, y)
 
 
 def launch_gemv(x, w, y) -> None:
@@ -260,42 +246,45 @@ def launch_attention_decode(q, k, v, q_pos: int, k_pos, scale: float, window: in
 
 
 @cuda.jit
-def q4_dequantize(qweight, qzeros, scales, dst):
-    """dst [in, out] = W.T of a layer in the AutoAWQ GEMM layout (for a prompt's matmul); one
-    thread per word: 8 outputs of one input row."""
+def q_dequantize(codes, scale, offset, bits, dst):
+    """dst [in, out] = W.T of a quantized layer (as q_gemv reads it), for a prompt's matmul; one
+    thread per word: its 32 / bits inputs of one output."""
     n = cuda.grid(1)
-    n_in, words = qweight.shape
-    if n < n_in * words:
-        i, c = n // words, n % words
-        gi = i // (n_in // scales.shape[0])
-        w, zw = qweight[i, c], qzeros[gi, c]
-        for j in range(8):
-            o = 8 * c + _nibble_channel(j)
-            dst[i, o] = float32(((w >> (4 * j)) & 15) - ((zw >> (4 * j)) & 15)) * float32(scales[gi, o])
+    rows, words = codes.shape
+    per = 32 // bits
+    if n < rows * words:
+        o, c = n // words, n % words
+        gi = per * c // (words * per // scale.shape[1])
+        s, m, w = float32(scale[o, gi]), float32(offset[o, gi]), codes[o, c]
+        for t in range(per):
+            dst[per * c + t, o] = float32((w >> (bits * t)) & ((1 << bits) - 1)) * s + m
 
 
-def launch_q4_dequantize(qweight, qzeros, scales, dst) -> None:
-    q4_dequantize[_blocks(qweight.size, THREADS), THREADS](qweight, qzeros, scales, dst)
+def launch_q_dequantize(w, dst) -> None:
+    q_dequantize[_blocks(w.codes.shape[0] * w.codes.shape[1], THREADS), THREADS](
+        w.codes, w.scale, w.offset, w.bits, dst)
 
 
-class GpuQ4(NamedTuple):
-    """A 4-bit layer on the GPU, in the AutoAWQ GEMM layout as stored (the projections that share
-    an input side by side, along the output)."""
+class GpuQuant(NamedTuple):
+    """A quantized layer on the GPU (the projections that share an input side by side, along
+    the output): kernels.quant's arrays as stored, the codes read as int32 words."""
 
-    qweight: object      # int32 [in, out/8]
-    qzeros: object       # int32 [in/g, out/8]
-    scales: object       # float16 [in/g, out]
+    codes: object        # int32 [out, in*bits/32]
+    scale: object        # float16 | float32 [out, in/g]
+    offset: object       # as scale
+    bits: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[1], self.qweight.shape[0]
+        return self.codes.shape[0], self.codes.shape[1] * 32 // self.bits
 
 
 class CudaBackend(reference.ReferenceBackend):
     """The decoder's ops on the kernels above. Device arrays are torch tensors on the GPU (the
     kernels read them through the CUDA array interface, no copies); in Numba's CUDA simulator
     they are NumPy arrays, so that the whole backend runs, slowly, where there is no GPU.
-    Weights are uploaded once, at load: 4-bit layers as stored, float weights as float16.
+    Weights are uploaded once, at load: quantized layers as kernels.quant holds them, float
+    weights as float16.
     Host inputs (positions, RoPE tables, the sinks' keys) are copied up where an op takes them.
     """
 
@@ -343,10 +332,13 @@ class CudaBackend(reference.ReferenceBackend):
     # -- weights ---------------------------------------------------------------------------------
 
     def prepare_linear(self, parts: list):
-        if all(isinstance(p, awq_layout.QuantizedLinear) for p in parts):
-            return GpuQ4(self.dev(np.concatenate([p.qweight for p in parts], axis=1), np.int32),
-                         self.dev(np.concatenate([p.qzeros for p in parts], axis=1), np.int32),
-                         self.dev(np.concatenate([p.scales for p in parts], axis=1), np.float16))
+        if all(isinstance(p, quant.QuantWeight) for p in parts):
+            w = quant.concat(parts)
+            if w.shape[1] % (32 // w.bits):
+                raise ValueError(f"{w.shape[1]} inputs do not fill whole words of {w.bits}-bit codes")
+            return GpuQuant(self.dev(np.ascontiguousarray(w.codes).view(np.int32), np.int32),
+                            self.dev(w.scale, w.scale.dtype), self.dev(w.offset, w.offset.dtype),
+                            w.bits)
         return self.dev(super().prepare_linear(parts), np.float16)
 
     def prepare_head(self, table: np.ndarray, quantized: bool = False):
@@ -368,13 +360,13 @@ class CudaBackend(reference.ReferenceBackend):
     def linear(self, x, w):
         x = self.dev(x)
         T = x.shape[0]
-        if isinstance(w, GpuQ4):
+        if isinstance(w, GpuQuant):
             if T == 1:
                 y = self.empty((1, w.shape[0]))
-                launch_q4_gemv(x[0], w.qweight, w.qzeros, w.scales, y[0])
+                launch_q_gemv(x[0], w, y[0])
                 return y
             w_t = self.empty((w.shape[1], w.shape[0]))
-            launch_q4_dequantize(w.qweight, w.qzeros, w.scales, w_t)
+            launch_q_dequantize(w, w_t)
             return self._matmul(x, w_t)
         if T == 1:
             y = self.empty((1, w.shape[0]))

@@ -10,7 +10,7 @@ import mmap
 
 import numpy as np
 
-from . import awq_layout
+from . import quant
 
 
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -139,8 +139,8 @@ class ReferenceBackend:
 
     def prepare_linear(self, parts: list) -> np.ndarray:
         """Weights of projections that share an input -> one float32 [sum(out_i), in]. A part is a
-        float array [out_i, in] or a packed 4-bit layer (dequantized here, once, at load)."""
-        mats = [awq_layout.dequantize(*p) if isinstance(p, awq_layout.QuantizedLinear) else p for p in parts]
+        float array [out_i, in] or a quant.QuantWeight (dequantized here, once, at load)."""
+        mats = [quant.dequantize(p) if isinstance(p, quant.QuantWeight) else p for p in parts]
         if len(mats) == 1:
             return np.ascontiguousarray(mats[0], dtype=np.float32)
         return np.concatenate([m.astype(np.float32) for m in mats], axis=0)

@@ -1,19 +1,20 @@
-"""Vector loops that Numba cannot be made to write: the integer core of the 4-bit GEMV, and the
-float16 (or float32) KV cache rows of decode attention (to_cache / from_cache, cache_dot,
+"""Vector loops that Numba cannot be made to write: the integer core of the quantized GEMV, and the
+float16 (or float32) KV cache rows of decode attention (to_cache / as_float, cache_dot,
 cache_axpy4, fmax at the end of the file).
 
-Numba types integer arithmetic in 64 bits, and LLVM's vectorizer then multiplies 4-bit codes by
+Numba types integer arithmetic in 64 bits, and LLVM's vectorizer then multiplies the codes by
 activations in 64-bit lanes. Written directly as LLVM vector IR, the same loop lowers to the
 CPU's 16-bit multiply-add of pairs (x86: pmaddwd, or vpdpwssd where AVX-512 VNNI / AVX-VNNI exist;
 Arm: smull + addp), which multiplies 32 code/activation pairs per instruction. The IR is
 target-independent; LLVM picks the instructions for the machine Numba compiles for.
 
-The layout it reads, "pair-planar tiles": a 4-bit layer's outputs go in tiles of LANES, each tile
-an int32 array [in/8, LANES], one after the other (int32 [out/LANES, in/8, LANES]); word [k, r, j]
-holds the codes of output LANES k + j for inputs 8r .. 8r+7, input 8r + 2m at bit 4m and input
-8r + 2m + 1 at bit 16 + 4m (m = 0..3). So (word >> 4m) & 0x000F000F is two 16-bit integers, the
-codes of a pair of inputs, ready for a pairwise multiply-add with the pair's two int16 activations,
-and a GEMV reads each tile from start to end, the whole layer in the order it lies in memory.
+The layout it reads, "pair-planar tiles", for codes of b = 4 or 8 bits (kernels.quant): a layer's
+outputs go in tiles of LANES, each tile an int32 array [in b/32, LANES], one after the other (int32
+[out/LANES, in b/32, LANES]); word [k, r, j] holds the codes of output LANES k + j for the n = 32/b
+inputs nr .. nr+n-1, input nr + 2m at bit b m and input nr + 2m + 1 at bit 16 + b m (m < n/2). So
+(word >> b m) & (2**b - 1) * 0x00010001 is two 16-bit integers, the codes of a pair of inputs,
+ready for a pairwise multiply-add with the pair's two int16 activations, and a GEMV reads each
+tile from start to end, the whole layer in the order it lies in memory.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from numba.extending import intrinsic
 
 LANES = 16          # outputs per vector: int32 lanes of a 512-bit register (LLVM splits if narrower)
 PREFETCH_BYTES = 2048   # how far ahead of its loads tile_dot asks for memory (best of 0.5-8 KiB)
-PAIR_MASK = 0x000F000F
 HALF_MAX = 65504.0     # the largest finite float16
 
 
 @njit(cache=True, inline="always")
-def pair_shift(t):
-    """The bit at which word [r, o] of the pair-planar layout holds the code of input 8r + t."""
-    return 4 * (t // 2) + 16 * (t % 2)
+def pair_shift(t, bits):
+    """The bit at which a word of the pair-planar layout of `bits`-bit codes holds the code of
+    its input t (t < 32 / bits)."""
+    return bits * (t // 2) + 16 * (t % 2)
 
 
 def _splat(builder, value):
@@ -54,12 +55,13 @@ def _prefetch(builder, address):
     builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
-def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
-    """IR: the int32 vector [LANES] of sums over word rows r in [r0, r1) and m = 0..3 of
-    lo(w[r, j] >> 4m) * lo(xp[4r + m]) + hi(w[r, j] >> 4m) * hi(xp[4r + m]), w_ptr pointing at
-    the tile's row 0 (int32 [rows, LANES]), xp_ptr at the token's pairs (int32 [in/2]). Each row's
-    load asks for the memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the
-    hardware's prefetch alone leaves it waiting on memory (measured: 0.7x the time with it)."""
+def _pair_sums(context, builder, bits, w_ptr, r0, r1, xp_ptr):
+    """IR: the int32 vector [LANES] of sums over word rows r in [r0, r1) and m < P = 16 / bits of
+    lo(w[r, j] >> bits m) * lo(xp[P r + m]) + hi(w[r, j] >> bits m) * hi(xp[P r + m]) (lo and
+    hi: the 16-bit halves, codes masked to `bits` bits), w_ptr pointing at the tile's row 0
+    (int32 [rows, LANES]), xp_ptr at the token's pairs (int32 [in/2]). Each row's load asks for
+    the memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the hardware's
+    prefetch alone leaves it waiting on memory (measured: 0.7x the time with it)."""
     intp = context.get_value_type(types.intp)
     i8, i32 = ir.IntType(8), ir.IntType(32)
     vec = ir.VectorType(i32, LANES)                      # 16 x i32: one lane per output
@@ -67,8 +69,9 @@ def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
     wide = ir.VectorType(i32, 2 * LANES)
     even = ir.Constant(vec, list(range(0, 2 * LANES, 2)))
     odd = ir.Constant(vec, list(range(1, 2 * LANES, 2)))
-    mask = ir.Constant(vec, [PAIR_MASK] * LANES)
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
+    pairs = 16 // bits
+    mask = ir.Constant(vec, [((1 << bits) - 1) * 0x10001] * LANES)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(pairs)]
     for acc in accs:
         builder.store(ir.Constant(vec, None), acc)
 
@@ -82,10 +85,10 @@ def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
         _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
                                        [const(PREFETCH_BYTES)]))
         for m, acc in enumerate(accs):
-            pair = builder.load(builder.gep(xp_ptr, [builder.add(builder.mul(r, const(4)),
+            pair = builder.load(builder.gep(xp_ptr, [builder.add(builder.mul(r, const(pairs)),
                                                                  const(m))]))
             x = _splat(builder, pair)
-            codes = words if m == 0 else builder.lshr(words, ir.Constant(vec, [4 * m] * LANES))
+            codes = words if m == 0 else builder.lshr(words, ir.Constant(vec, [bits * m] * LANES))
             codes = builder.and_(codes, mask)
             prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
                                builder.sext(builder.bitcast(x, halves), wide))
@@ -93,72 +96,87 @@ def _pair_sums(context, builder, w_ptr, r0, r1, xp_ptr):
             total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
             builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
     a = [builder.load(acc) for acc in accs]
-    return builder.add(builder.add(a[0], a[1]), builder.add(a[2], a[3]))
+    while len(a) > 1:
+        a = [builder.add(a[i], a[i + 1]) for i in range(0, len(a), 2)]
+    return a[0]
 
 
-@intrinsic
-def tile_dot(typingctx, w, k, xp, sx, xsum, s, z, t, out):
-    """out[j] (float32, j < LANES) = output LANES k + j of a 4-bit layer for token t: the sum
+def _float_vector(builder, ptr, array_type):
+    """IR: the LANES floats at ptr of an array of float32, or of float16 bits (uint16), as a
+    float32 vector."""
+    half = array_type.dtype == types.uint16
+    element = ir.HalfType() if half else ir.FloatType()
+    v = builder.load(builder.bitcast(ptr, ir.VectorType(element, LANES).as_pointer()),
+                     align=2 if half else 4)
+    return builder.fpext(v, ir.VectorType(ir.FloatType(), LANES)) if half else v
+
+
+def _tile_dot(bits: int):
+    """The intrinsic tile_dot{bits}(w, k, xp, sx, xsum, s, m, t, out) for layers of `bits`-bit
+    codes: out[j] (float32, j < LANES) = output LANES k + j of the layer for token t, the sum
     over activation blocks b (in quantization group gi) of
-        s[k, gi, j] * (sx[t, b] * (integer dot of the block's codes and x_q)
-                       -  z[k, gi, j] * xsum[t, b])
-    w int32 [tiles, in/8, LANES] (pair-planar tiles), s uint16 (float16 bits) and z uint8
-    [tiles, in/g, LANES]; xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs).
-    The integer dot is pairwise multiply-adds of 16-bit codes and activations, 32 per
-    instruction (x86 pmaddwd or vpdpwssd, Arm smull + addp); the per-block scaling is vector
-    arithmetic on the LANES outputs, which stay in a register from the first block to the last."""
-    sig = types.void(w, k, xp, sx, xsum, s, z, t, out)
+        s[k, gi, j] * sx[t, b] * (integer dot of the block's codes and x_q)  +  m[k, gi, j] * xsum[t, b]
+    w int32 [tiles, in*bits/32, LANES] (pair-planar tiles), s and m [tiles, in/g, LANES] the
+    scales and offsets (float32, or float16 bits as uint16); xp int32 [T, in/2], sx and xsum
+    float32 [T, blocks] (quantize_pairs). The integer dot is pairwise multiply-adds of 16-bit
+    codes and activations, 32 per instruction (x86 pmaddwd or vpdpwssd, Arm smull + addp); the
+    per-block scaling is vector arithmetic on the LANES outputs, which stay in a register from
+    the first block to the last."""
 
-    def codegen(context, builder, signature, args):
-        w_ty, k_ty, xp_ty, sx_ty, xsum_ty, s_ty, z_ty, t_ty, out_ty = signature.args
-        intp = context.get_value_type(types.intp)
-        kv, tv = (context.cast(builder, v, ty, types.intp)
-                  for v, ty in ((args[1], k_ty), (args[7], t_ty)))
-        f32 = ir.FloatType()
-        fvec = ir.VectorType(f32, LANES)
+    @intrinsic
+    def tile_dot(typingctx, w, k, xp, sx, xsum, s, m, t, out):
+        sig = types.void(w, k, xp, sx, xsum, s, m, t, out)
 
-        def const(v):
-            return ir.Constant(intp, v)
+        def codegen(context, builder, signature, args):
+            w_ty, k_ty, xp_ty, sx_ty, xsum_ty, s_ty, m_ty, t_ty, out_ty = signature.args
+            intp = context.get_value_type(types.intp)
+            kv, tv = (context.cast(builder, v, ty, types.intp)
+                      for v, ty in ((args[1], k_ty), (args[7], t_ty)))
+            fvec = ir.VectorType(ir.FloatType(), LANES)
 
-        def pointer(ty, arr, *index):
-            a = context.make_array(ty)(context, builder, arr)
-            return cgutils.get_item_pointer(context, builder, ty, a, list(index))
+            def const(v):
+                return ir.Constant(intp, v)
 
-        w_arr = context.make_array(w_ty)(context, builder, args[0])
-        s_arr = context.make_array(s_ty)(context, builder, args[5])
-        sx_arr = context.make_array(sx_ty)(context, builder, args[3])
-        n_rows = builder.extract_value(w_arr.shape, 1)
-        n_groups = builder.extract_value(s_arr.shape, 1)
-        n_blocks = builder.extract_value(sx_arr.shape, 1)
-        rows = builder.udiv(n_rows, n_blocks)                   # word rows per block
-        per_group = builder.udiv(n_blocks, n_groups)
-        w_ptr = pointer(w_ty, args[0], kv, const(0), const(0))
-        xp_ptr = pointer(xp_ty, args[2], tv, const(0))
-        total = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
-        fast = ["fast"]
-        with cgutils.for_range(builder, n_blocks) as loop:
-            b = loop.index
-            r0 = builder.mul(b, rows)
-            dots = _pair_sums(context, builder, w_ptr, r0, builder.add(r0, rows), xp_ptr)
-            gi = builder.udiv(b, per_group)
-            scales = builder.load(builder.bitcast(pointer(s_ty, args[5], kv, gi, const(0)),
-                                                  ir.VectorType(ir.HalfType(), LANES).as_pointer()),
-                                  align=2)
-            zeros = builder.load(builder.bitcast(pointer(z_ty, args[6], kv, gi, const(0)),
-                                                 ir.VectorType(ir.IntType(8), LANES).as_pointer()),
-                                 align=1)
-            f = _splat(builder, builder.load(pointer(sx_ty, args[3], tv, b)))
-            xs = _splat(builder, builder.load(pointer(xsum_ty, args[4], tv, b)))
-            part = builder.fsub(builder.fmul(f, builder.sitofp(dots, fvec), flags=fast),
-                                builder.fmul(builder.uitofp(zeros, fvec), xs, flags=fast),
-                                flags=fast)
-            part = builder.fmul(builder.fpext(scales, fvec), part, flags=fast)
-            builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
-        out_ptr = pointer(out_ty, args[8], const(0))
-        builder.store(builder.load(total), builder.bitcast(out_ptr, fvec.as_pointer()), align=4)
-        return context.get_dummy_value()
+            def pointer(ty, arr, *index):
+                a = context.make_array(ty)(context, builder, arr)
+                return cgutils.get_item_pointer(context, builder, ty, a, list(index))
 
-    return sig, codegen
+            w_arr = context.make_array(w_ty)(context, builder, args[0])
+            s_arr = context.make_array(s_ty)(context, builder, args[5])
+            sx_arr = context.make_array(sx_ty)(context, builder, args[3])
+            n_rows = builder.extract_value(w_arr.shape, 1)
+            n_groups = builder.extract_value(s_arr.shape, 1)
+            n_blocks = builder.extract_value(sx_arr.shape, 1)
+            rows = builder.udiv(n_rows, n_blocks)                   # word rows per block
+            per_group = builder.udiv(n_blocks, n_groups)
+            w_ptr = pointer(w_ty, args[0], kv, const(0), const(0))
+            xp_ptr = pointer(xp_ty, args[2], tv, const(0))
+            total = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
+            fast = ["fast"]
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                r0 = builder.mul(b, rows)
+                dots = _pair_sums(context, builder, bits, w_ptr, r0, builder.add(r0, rows), xp_ptr)
+                gi = builder.udiv(b, per_group)
+                scales = _float_vector(builder, pointer(s_ty, args[5], kv, gi, const(0)), s_ty)
+                offsets = _float_vector(builder, pointer(m_ty, args[6], kv, gi, const(0)), m_ty)
+                f = _splat(builder, builder.load(pointer(sx_ty, args[3], tv, b)))
+                xs = _splat(builder, builder.load(pointer(xsum_ty, args[4], tv, b)))
+                part = builder.fmul(scales, builder.fmul(f, builder.sitofp(dots, fvec), flags=fast),
+                                    flags=fast)
+                part = builder.fadd(part, builder.fmul(offsets, xs, flags=fast), flags=fast)
+                builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
+            out_ptr = pointer(out_ty, args[8], const(0))
+            builder.store(builder.load(total), builder.bitcast(out_ptr, fvec.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_dot
+
+
+tile_dot4 = _tile_dot(4)
+tile_dot8 = _tile_dot(8)
 
 
 def _rows_dot(R: int):
@@ -292,8 +310,8 @@ def to_cache(typingctx, x, buf):
 
 
 @intrinsic
-def from_cache(typingctx, e):
-    """A KV buffer element as float32 (see to_cache)."""
+def as_float(typingctx, e):
+    """A KV buffer element (see to_cache), or any float16 stored as uint16 bits, as float32."""
     sig = types.float32(e)
 
     def codegen(context, builder, signature, args):

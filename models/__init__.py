@@ -11,7 +11,7 @@ from tinyrt.memory import ensure_fits
 from .config import ModelConfig, QuantConfig
 from .families import FAMILIES, family
 from .llama import Layer, LlamaModel
-from .weights import SafetensorsFile, WeightStore, write_safetensors
+from .weights import DirectoryWeights, ModelWeights, SafetensorsFile, WeightStore, write_safetensors
 
 
 def model_class(cfg: ModelConfig) -> type[LlamaModel]:
@@ -29,16 +29,28 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return model_class(cfg).linear_shapes(cfg)
 
 
-def load_model(directory: str | Path, backend) -> LlamaModel:
-    """Load a model directory (config.json + safetensors weights) onto `backend`, as the
-    decoder of its family."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ModelFormatError(f"{directory} is not a model directory")
-    config = ModelConfig.from_file(directory / "config.json")
-    weights = WeightStore(directory)
+def open_weights(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, ModelWeights]:
+    """The config and weights of a model directory (config.json + safetensors, float or AWQ)
+    or of a GGUF file (run in place: its quantized tensors as they are), checked against each
+    other. `dtype` "f16" / "f32": float weights throughout (see ModelWeights)."""
+    path = Path(path)
+    if path.is_file():
+        from .gguf import GGUFWeights
+
+        weights = GGUFWeights(path, dtype)
+        return weights.config, weights
+    if not path.is_dir():
+        raise ModelFormatError(f"{path} is neither a model directory nor a GGUF file")
+    config = ModelConfig.from_file(path / "config.json")
+    return config, DirectoryWeights(path, config, expected_shapes(config), dtype)
+
+
+def load_model(path: str | Path, backend, dtype: str | None = None) -> LlamaModel:
+    """Load a model directory or a GGUF file (open_weights) onto `backend`, as the decoder of
+    its family."""
+    config, weights = open_weights(path, dtype)
     if backend.host_memory:              # its weights end up in RAM, whatever their form
-        ensure_fits(f"the model in {directory}", weights.nbytes)
+        ensure_fits(f"the model in {path}", weights.nbytes)
     model = model_class(config)(config, weights, backend)
     trim_heap()
     return model
@@ -54,5 +66,5 @@ def trim_heap() -> None:
 
 
 __all__ = ["ModelConfig", "QuantConfig", "FAMILIES", "family", "model_class", "Layer", "LlamaModel",
-           "expected_shapes", "linear_shapes", "load_model", "SafetensorsFile", "WeightStore",
-           "write_safetensors"]
+           "expected_shapes", "linear_shapes", "open_weights", "load_model", "ModelWeights",
+           "DirectoryWeights", "SafetensorsFile", "WeightStore", "write_safetensors"]

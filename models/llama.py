@@ -15,11 +15,11 @@ from typing import Any, Callable
 import numpy as np
 
 from tinyrt.errors import ModelFormatError
-from tinyrt.kernels import QuantizedLinear, awq_layout
+from tinyrt.kernels import QuantWeight, awq_layout
 
 from .config import ModelConfig
 from .rope import rope_inv_freq
-from .weights import WeightStore, release_pages
+from .weights import ModelWeights, release_pages
 
 
 @dataclass
@@ -102,7 +102,7 @@ class LlamaModel:
     def make_layer(cls, i: int, backend, tensor: Callable[[str], np.ndarray],
                    linear: Callable[[str], Any]) -> Layer:
         """Layer i prepared by `backend` from `tensor(HF tensor name)` (a float array) and
-        `linear(HF module name)` (a float weight [out, in] or a QuantizedLinear)."""
+        `linear(HF module name)` (a float weight [out, in] or a kernels.quant.QuantWeight)."""
         p = f"model.layers.{i}."
         bias = None
         if cls.qkv_bias:
@@ -112,36 +112,25 @@ class LlamaModel:
                      **{f: backend.prepare_linear([linear(p + n) for n in parts])
                         for f, parts in LINEARS.items()}, qkv_bias=bias)
 
-    def __init__(self, config: ModelConfig, weights: WeightStore, backend):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, backend):
+        """The decoder of `config` on `backend`, its weights read from `weights` (checked against
+        the config when they were opened: models.load_model)."""
         self.config = cfg = config
         self.backend = be = backend
-        shapes = self.expected_shapes(cfg)
-        for name, shape in shapes.items():
-            if name not in weights:
-                raise ModelFormatError(f"{weights.directory}: tensor {name!r} is missing")
-            if tuple(weights.shape(name)) != shape:
-                raise ModelFormatError(
-                    f"{weights.directory}: tensor {name!r} has shape {list(weights.shape(name))}, "
-                    f"the config needs {list(shape)}")
-
-        get = weights.get_float
-
-        def linear(name: str):
-            if cfg.quant is None:
-                return get(name + ".weight")
-            return QuantizedLinear(*(weights.get(f"{name}.{part}") for part in QuantizedLinear._fields))
-
-        self.embed = be.prepare_embedding(get("model.embed_tokens.weight"))
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        # float in AWQ checkpoints; a backend may quantize it when the rest of the model is quantized
-        self.lm_head = be.prepare_head(get(head), quantized=cfg.quant is not None)
-        self.norm = be.prepare_vector(get("model.norm.weight"))
+        self.weights = weights
+        self.embed = be.prepare_embedding(weights.embedding())
+        head = weights.head()
+        # a quantized head runs as stored; a float head of a quantized model may be quantized
+        # by the backend (see its prepare_head)
+        self.lm_head = be.prepare_linear([head]) if isinstance(head, QuantWeight) else \
+            be.prepare_head(head, quantized=weights.quantized)
+        self.norm = be.prepare_vector(weights.tensor("model.norm.weight"))
         self.layers = []
         # the file pages read while preparing each part leave the resident set at once, so that
         # the peak of a load stays close to what the prepared model holds
         weights.release()
         for i in range(cfg.num_hidden_layers):
-            self.layers.append(self.make_layer(i, be, get, linear))
+            self.layers.append(self.make_layer(i, be, weights.tensor, weights.linear))
             weights.release()
         self.inv_freq = rope_inv_freq(cfg)
         self.scale = cfg.head_dim ** -0.5

@@ -225,3 +225,126 @@ def write_safetensors(path: str | Path, specs: list[tuple[str, np.dtype, tuple[i
                 raise ValueError(f"write_safetensors: {name} is {a.dtype} {a.shape}, "
                                  f"expected {np.dtype(dtype)} {tuple(shape)}")
             f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+
+
+FLOAT_TYPES = {"f16": np.float16, "f32": np.float32}
+
+
+class ModelWeights:
+    """What a decoder reads from a model file, whatever its format (a model directory: below;
+    a GGUF file: models.gguf): float tensors by HF name, each linear layer as a float weight
+    [out, in] or a kernels.quant.QuantWeight, the embedding table (rows read as needed) and the
+    LM head. `dtype` "f16" / "f32" asks for float weights throughout (quantized layers
+    dequantized at load: the float path); None keeps what is stored.
+
+    A format implements `tensor`, `_linear`, `_embedding`, `_head`, `release`, `nbytes` and
+    `stored_types`; it checks every tensor's presence and shape against the config when built."""
+
+    name: str = ""      # the file or directory, for messages
+
+    def __init__(self, dtype: str | None = None):
+        if dtype not in (None, *FLOAT_TYPES):
+            raise ValueError(f"unknown weight type {dtype!r} (choose f16 or f32)")
+        self.dtype = dtype
+
+    def _float(self, w):
+        from tinyrt.kernels.quant import QuantWeight, dequantize
+
+        if self.dtype and isinstance(w, QuantWeight):
+            return dequantize(w).astype(FLOAT_TYPES[self.dtype])
+        return w
+
+    def linear(self, module: str):
+        """Linear layer `module` (HF name without .weight): float [out, in] or QuantWeight."""
+        return self._float(self._linear(module))
+
+    def embedding(self):
+        """The embedding table [V, H]: an array, or rows dequantized as indexed (table[ids])."""
+        return self._embedding()
+
+    def head(self):
+        """The LM head [V, H] (the embedding when tied): float or QuantWeight."""
+        return self._float(self._head())
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the decoder layers run on quantized weights."""
+        return self.dtype is None and self._quantized
+
+    def tensor(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _linear(self, module: str):
+        raise NotImplementedError
+
+    def _embedding(self):
+        raise NotImplementedError
+
+    def _head(self):
+        raise NotImplementedError
+
+    _quantized = False
+
+    def release(self) -> None:
+        """Drop the file pages read so far from the resident set (see WeightStore.release)."""
+
+    nbytes = 0
+
+    def stored_types(self) -> dict[str, str]:
+        """Kind of tensor (HF module name without the layer, e.g. self_attn.q_proj) -> how the
+        file stores it, e.g. {"mlp.down_proj": "Q6_K x 11, Q4_K x 11"}."""
+        raise NotImplementedError
+
+
+class DirectoryWeights(ModelWeights):
+    """A model directory's safetensors weights: float (f32, f16, bf16) or AutoAWQ 4-bit GEMM
+    (config.json `quantization_config`, kernels.awq_layout), mapped into kernels.quant's form
+    as each layer is read."""
+
+    def __init__(self, directory: str | Path, config, shapes: dict[str, tuple[int, ...]],
+                 dtype: str | None = None):
+        super().__init__(dtype)
+        self.store = WeightStore(directory)
+        self.name = str(directory)
+        self.config = config
+        for name, shape in shapes.items():
+            if name not in self.store:
+                raise ModelFormatError(f"{directory}: tensor {name!r} is missing")
+            if tuple(self.store.shape(name)) != shape:
+                raise ModelFormatError(
+                    f"{directory}: tensor {name!r} has shape {list(self.store.shape(name))}, "
+                    f"the config needs {list(shape)}")
+        self._quantized = config.quant is not None
+        self.nbytes = self.store.nbytes
+
+    def tensor(self, name: str) -> np.ndarray:
+        return self.store.get_float(name)
+
+    def _linear(self, module: str):
+        if not self._quantized:
+            return self.store.get_float(module + ".weight")
+        from tinyrt.kernels import awq_layout
+
+        return awq_layout.to_quant(awq_layout.QuantizedLinear(
+            *(self.store.get(f"{module}.{part}") for part in awq_layout.QuantizedLinear._fields)))
+
+    def _embedding(self):
+        return self.store.get_float("model.embed_tokens.weight")
+
+    def _head(self):
+        tied = self.config.tie_word_embeddings
+        return self.store.get_float("model.embed_tokens.weight" if tied else "lm_head.weight")
+
+    def release(self) -> None:
+        self.store.release()
+
+    def stored_types(self) -> dict[str, str]:
+        q = self.config.quant
+        kinds = {}
+        for name in self.store.keys():
+            module, _, part = name.rpartition(".")
+            if part in ("weight", "qweight"):
+                kind = module.split(".", 3)[3] if module.startswith("model.layers.") else module
+                kinds[kind] = (f"AWQ 4-bit, groups of {q.group_size}" if part == "qweight"
+                               else self.store.dtype(name))
+        return kinds

@@ -113,3 +113,22 @@ def status_kib(field: str) -> int:
     """A memory figure of this process from /proc/self/status ("VmRSS", "RssFile", "VmSize"), KiB."""
     with open("/proc/self/status") as f:
         return int(f.read().split(field + ":")[1].split()[0])
+
+
+def random_quant(out: int, n_in: int, bits: int = 4, g: int = 32, half: bool = True,
+                 rng: np.random.Generator | None = None):
+    """A random kernels.quant.QuantWeight: codes of `bits` bits in groups of g, scales and
+    offsets float16 values (half) or float32 values that no float16 holds."""
+    from tinyrt.kernels import quant
+
+    rng = rng or np.random.default_rng(0)
+    codes = rng.integers(0, 2 ** bits, (out, n_in)).astype(np.uint8)
+    scale = (rng.random((out, n_in // g)) * 0.02 + 0.001) * (16 / 2 ** bits)
+    offset = -scale * rng.uniform(0, 2 ** bits, scale.shape)
+    dtype = np.float16 if half else np.float32
+    scale, offset = (a.astype(dtype).astype(np.float32) for a in (scale, offset))
+    if not half:
+        scale[0, 0] = np.float32(0.001) + np.float32(2 ** -30)          # not a float16
+    w = quant.make(codes, bits, scale, offset)
+    assert w.scale.dtype == dtype
+    return w

@@ -5,9 +5,9 @@ import pytest
 from numba import njit
 
 import tinyrt
-from helpers import rel_err, tiny_config, write_tiny_model
+from helpers import random_quant, rel_err, tiny_config, write_tiny_model
 from tinyrt.converters import convert
-from tinyrt.kernels import awq_layout, cpu, get_backend
+from tinyrt.kernels import cpu, get_backend, quant
 from tinyrt.kernels import reference as ref
 from tinyrt.kv_cache import CacheOptions, make_cache
 from tinyrt.models import FAMILIES
@@ -15,28 +15,40 @@ from tinyrt.models import FAMILIES
 rng = np.random.default_rng()
 
 
-def packed(n_in: int, n_out: int, g: int) -> awq_layout.QuantizedLinear:
-    codes = rng.integers(0, 16, (n_in, n_out))
-    zeros = rng.integers(0, 16, (n_in // g, n_out))
-    scales = (rng.random((n_in // g, n_out)) * 0.02 + 0.001).astype(np.float16)
-    return awq_layout.QuantizedLinear(awq_layout.pack(codes), awq_layout.pack(zeros), scales)
+def packed(n_in: int, n_out: int, g: int, bits: int = 4, half: bool = True) -> quant.QuantWeight:
+    return random_quant(n_out, n_in, bits, g, half, rng)
 
 
-@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("bits, g, half", [(4, 32, True), (4, 64, False), (4, 128, True),
+                                           (8, 16, False), (8, 32, True), (8, 128, False)])
 @pytest.mark.parametrize("n_in, outs", [(128, [64]), (256, [96, 32, 32]), (384, [200, 200]),
                                         (576, [576, 192, 192]), (256, [120])])
 @pytest.mark.parametrize("T", [1, 3, cpu.SMALL_TOKENS + 3])
-def test_q4_linear(g, n_in, outs, T):
-    parts = [packed(n_in, o, g) for o in outs]
-    w = np.concatenate([awq_layout.dequantize(*p) for p in parts])            # [out, in]
+def test_q_linear(bits, g, half, n_in, outs, T):
+    parts = [packed(n_in, o, g, bits, half) for o in outs]
+    w = np.concatenate([quant.dequantize(p) for p in parts])                 # [out, in]
     x = rng.standard_normal((T, n_in)).astype(np.float32)
     be = cpu.CpuBackend()
     prepared = be.prepare_linear(parts)
     tiles = -(-sum(outs) // 16)
-    assert prepared.w.shape == (tiles, n_in // 8, 16) and prepared.shape == (sum(outs), n_in)
+    assert prepared.w.shape == (tiles, n_in * bits // 32, 16) and prepared.shape == (sum(outs), n_in)
     got = be.linear(x, prepared)
     # one token at a time, the activations are rounded to int16 (1/65534 of a block's largest)
     assert rel_err(got, ref.linear(x, w)) < (1e-4 if T <= cpu.SMALL_TOKENS else 1e-5)
+
+
+@pytest.mark.parametrize("T", [1, cpu.SMALL_TOKENS + 3])
+def test_fused_parts_of_mixed_forms(T):
+    """q, k (4-bit, groups of 32, float16) beside v (8-bit, groups of 16, float32), as a Q4_K_M
+    file's layer has them: fused exactly into one 8-bit layer in groups of 16."""
+    parts = [packed(256, 96, 32, 4, True), packed(256, 32, 32, 4, True),
+             packed(256, 32, 16, 8, False)]
+    be = cpu.CpuBackend()
+    prepared = be.prepare_linear(parts)
+    assert prepared.bits == 8 and prepared.s.dtype == np.float32 and prepared.s.shape[1] == 16
+    x = rng.standard_normal((T, 256)).astype(np.float32)
+    w = np.concatenate([quant.dequantize(p) for p in parts])
+    assert rel_err(be.linear(x, prepared), ref.linear(x, w)) < 1e-4
 
 
 @pytest.mark.parametrize("n_in, n_out", [(576, 1536), (64, 72), (130, 7)])
@@ -51,15 +63,15 @@ def test_float_linear(n_in, n_out, T, threads):
     assert rel_err(be.linear(x, be.prepare_linear([w])), x.astype(np.float64) @ w.T) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["q4", "int8", "float"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "int8", "float"])
 @pytest.mark.parametrize("T", [2, 9, cpu.SMALL_TOKENS])
 def test_few_tokens_equal_one_at_a_time(kind, T):
     """A few tokens' linear (a draft's verification) gives each token, to the bit, its one-token
     result: greedy speculative decoding depends on it."""
     n_in, n_out = 576, 1000
     be = cpu.CpuBackend()
-    if kind == "q4":
-        w = be.prepare_linear([packed(n_in, n_out, 64)])
+    if kind in ("q4", "q8"):
+        w = be.prepare_linear([packed(n_in, n_out, 64, int(kind[1]))])
     elif kind == "int8":
         w = be.prepare_head(rng.standard_normal((n_out, n_in)).astype(np.float32), quantized=True)
     else:
@@ -69,20 +81,22 @@ def test_few_tokens_equal_one_at_a_time(kind, T):
     assert all(np.array_equal(got[t], be.linear(x[t:t + 1], w)[0]) for t in range(T))
 
 
-def test_pair_planar_tiles():
-    """Word [k, r, j] holds output 16k + j's codes of inputs 8r + 2m at bit 4m, 8r + 2m + 1 at
-    16 + 4m; scales and zero points [k, group, j]; the last tile padded with zeros."""
-    codes, zeros = rng.integers(0, 16, (64, 24)), rng.integers(0, 16, (2, 24))
-    scales = rng.random((2, 24)).astype(np.float16)
-    p = cpu.repack([awq_layout.QuantizedLinear(awq_layout.pack(codes), awq_layout.pack(zeros), scales)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pair_planar_tiles(bits):
+    """Word [k, r, j] holds output 16k + j's codes of inputs nr + 2m at bit bits*m and nr + 2m + 1
+    at bit 16 + bits*m (n = 32 / bits); scales and offsets [k, group, j]; the last tile padded
+    with zeros."""
+    w = packed(64, 24, 32, bits)
+    codes, n = quant.unpack(w), 32 // bits
+    p = cpu.repack([w])
     words = p.w.view(np.uint32)
     for i, o in zip(rng.integers(0, 64, 50), rng.integers(0, 24, 50)):
-        shift = 4 * (i % 8 // 2) + 16 * (i % 2)
-        assert (words[o // 16, i // 8, o % 16] >> shift) & 15 == codes[i, o]
+        shift = bits * (i % n // 2) + 16 * (i % 2)
+        assert (words[o // 16, i // n, o % 16] >> shift) & (2 ** bits - 1) == codes[o, i]
     for g, o in zip(rng.integers(0, 2, 20), rng.integers(0, 24, 20)):
-        assert p.s[o // 16, g, o % 16] == scales.view(np.uint16)[g, o]
-        assert p.z[o // 16, g, o % 16] == zeros[g, o]
-    assert not words[1, :, 8:].any() and not p.s[1, :, 8:].any() and not p.z[1, :, 8:].any()
+        assert p.s[o // 16, g, o % 16] == w.scale.view(np.uint16)[o, g]
+        assert p.m[o // 16, g, o % 16] == w.offset.view(np.uint16)[o, g]
+    assert not words[1, :, 8:].any() and not p.s[1, :, 8:].any() and not p.m[1, :, 8:].any()
 
 
 @pytest.mark.parametrize("block", [8, 32, 128])
@@ -101,14 +115,14 @@ def test_quantize_pairs(block):
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
 @pytest.mark.parametrize("n_out", [8, 120, 136, 576])
-def test_q4_gemv_tasks(threads, n_out):
+def test_q_gemv_tasks(threads, n_out):
     """Any number of tasks, and outputs that are not a multiple of the vector (a padded tile)."""
-    parts = [packed(192, n_out, 32)]
-    p = cpu.repack(parts)
+    w = packed(192, n_out, 32)
+    p = cpu.repack([w])
     x = rng.standard_normal((1, 192)).astype(np.float32)
     y = np.full((1, n_out), np.nan, np.float32)
-    cpu.q4_gemv(x, p.w, p.s, p.z, y, threads)
-    assert rel_err(y[0], awq_layout.dequantize(*parts[0]) @ x[0]) < 1e-4
+    cpu.q_gemv(x, p.w, p.s, p.m, p.bits, y, threads)
+    assert rel_err(y[0], quant.dequantize(w) @ x[0]) < 1e-4
 
 
 def test_exp():

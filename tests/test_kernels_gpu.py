@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from helpers import rel_err
-from tinyrt.kernels import awq_layout, gpu
+from helpers import random_quant, rel_err
+from tinyrt.kernels import gpu, quant
 from tinyrt.kernels import reference as ref
 
 rng = np.random.default_rng()
@@ -19,15 +19,19 @@ def run(launch, *arrays):
     return [d.copy_to_host() if isinstance(a, np.ndarray) else d for a, d in zip(arrays, dev)]
 
 
-@pytest.mark.parametrize("n_in, n_out, g", [(64, 24, 32), (128, 264, 64), (96, 8, 32)])
-def test_q4_gemv(n_in, n_out, g):
-    codes = rng.integers(0, 16, (n_in, n_out))
-    zeros = rng.integers(0, 16, (n_in // g, n_out))
-    scales = (rng.random((n_in // g, n_out)) * 0.02 + 0.001).astype(np.float16)
-    qw, qz = awq_layout.pack(codes), awq_layout.pack(zeros)
+@pytest.mark.parametrize("n_in, n_out, g, bits, half", [(64, 24, 32, 4, True), (128, 26, 64, 4, False),
+                                                    (96, 8, 16, 8, False), (64, 5, 32, 8, True)])
+def test_q_gemv_and_dequantize(n_in, n_out, g, bits, half):
+    w = random_quant(n_out, n_in, bits, g, half, rng)
     x = rng.standard_normal(n_in).astype(np.float32)
-    (y,) = run(gpu.launch_q4_gemv, x, qw, qz, scales, np.zeros(n_out, np.float32))[-1:]
-    assert rel_err(y, ref.linear(x[None], awq_layout.dequantize(qw, qz, scales))[0]) < 1e-5
+    be = gpu.CudaBackend()
+    dev = be.prepare_linear([w])
+    y = be.empty(n_out)
+    gpu.launch_q_gemv(x, dev, y)
+    assert rel_err(y, ref.linear(x[None], quant.dequantize(w))[0]) < 1e-5
+    w_t = be.empty((n_in, n_out))
+    gpu.launch_q_dequantize(dev, w_t)
+    assert np.allclose(w_t, quant.dequantize(w).T, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
