@@ -4,7 +4,7 @@ The runtime never imports this package; front ends call it to convert a model on
 """
 
 from .conversion import FLOAT_DTYPES, convert
-from .gguf_file import GGUFFile
+from tinyrt.models.gguf import GGUFFile
 from .sources import Source, open_source
 
 __all__ = ["FLOAT_DTYPES", "convert", "GGUFFile", "Source", "open_source"]

@@ -11,9 +11,9 @@ from typing import Callable
 import numpy as np
 
 from tinyrt.errors import ModelFormatError
+from tinyrt.models.gguf import GGUFFile
 from tinyrt.models.weights import WeightStore
 
-from .gguf_file import GGUFFile
 from .gguf_tokenizer import tokenizer_files
 
 # files of an HF directory that travel with the weights, as they are
@@ -44,7 +44,7 @@ def open_source(path: str | Path) -> Source:
 
 def gguf_source(path: Path) -> Source:
     g = GGUFFile(path)
-    meta = {k[len("tokenizer.ggml."):]: g.get(k) for k in g.reader.fields
+    meta = {k[len("tokenizer.ggml."):]: g.get(k) for k in g.metadata
             if k.startswith("tokenizer.ggml.")}
     files = tokenizer_files(meta, g.get("tokenizer.chat_template"))
     cfg = g.config()

@@ -159,7 +159,7 @@ def test_safetensors_index(tiny, workdir, index):
     expect_clean(lambda: WeightStore(d).keys())
 
 
-# -- GGUF (through our wrapper of the gguf package, as `tinyrt convert` reads it) ----------------
+# -- GGUF (through our reader, models/gguf.py, as `tinyrt convert` reads it) -------------------
 
 @pytest.fixture(scope="module")
 def gguf_bytes(workdir):

@@ -1,0 +1,188 @@
+"""GGUF (llama.cpp) quantized blocks -> the runtime's one quantized form (`kernels.quant`),
+exactly: codes are copied bit for bit, and each block's scale and offset are computed once in
+float32, where every one of them is exact (a float16 times a small integer). The table at the top
+of kernels/quant.py lists the mapping; the block layouts are ggml's (ggml-common.h), documented
+below where each is decoded.
+
+A 2-D GGUF weight W [out, in] is stored row after row (one row per output), each row a run of
+blocks along the input; `raw` is those bytes, uint8 [out, bytes_per_row]. Everything is NumPy on
+whole tensors (no loop over blocks). All multi-byte fields are little-endian.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from tinyrt.kernels.quant import QuantWeight, exact_floats, make
+
+QK_K = 256  # values in a K-quant super-block
+
+
+def _blocks(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """raw uint8 [rows, bytes_per_row] -> [rows, blocks per row, bytes per block] (a view)."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % size:
+        raise ValueError(f"{qtype.name} rows must be uint8 [rows, k * {size}], not "
+                         f"{raw.dtype} {list(raw.shape)}")
+    return raw.reshape(raw.shape[0], raw.shape[1] // size, size)
+
+
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of every block, as float32 [rows, blocks]."""
+    return np.ascontiguousarray(b[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    """[rows, blocks, k] -> [rows, blocks * k]."""
+    return x.reshape(x.shape[0], -1)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [..., n] whose low nibbles hold values 0..n-1 and whose high nibbles hold values
+    n..2n-1 (ggml's order in every 4-bit layout) -> the 2n values one per byte [..., 2n]."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _pack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """The same values as `_nibbles`, packed as kernels.quant packs 4-bit codes (value 2j in the
+    low nibble of byte j, 2j + 1 in its high nibble), without unpacking: [..., n] -> [..., n]."""
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    return np.concatenate([(even & 15) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+
+
+def _quant4(packed: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> QuantWeight:
+    """A 4-bit QuantWeight from codes already packed [rows, in/2] (float32 scale and offset)."""
+    s, m = exact_floats(scale, offset)
+    return QuantWeight(np.ascontiguousarray(packed), np.ascontiguousarray(s),
+                       np.ascontiguousarray(m), 4)
+
+
+def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit sub-block scales and mins [..., 12] -> (scales, mins),
+    uint8 [..., 8] each. Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; the
+    scales and mins of sub-blocks 4-7 have their low 4 bits in bytes 8-11 (scale in the low
+    nibble, min in the high) and their top 2 bits in the top 2 bits of bytes 0-3 (scales) and
+    4-7 (mins):
+
+        byte 0-3:  s4..7[5:4] s0..3[5:0]      byte 8-11: m4..7[3:0] s4..7[3:0]
+        byte 4-7:  m4..7[5:4] m0..3[5:0]
+    """
+    lo_s, lo_m, hi = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scales = np.concatenate([lo_s & 63, (hi & 15) | ((lo_s >> 6) << 4)], axis=-1)
+    mins = np.concatenate([lo_m & 63, (hi >> 4) | ((lo_m >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def q4_0(raw: np.ndarray) -> QuantWeight:
+    """block_q4_0, 32 values in 18 bytes: d f16 | qs[16]. Value j (j < 16) is the low nibble of
+    qs[j], value j + 16 its high nibble; w = d * (q - 8) -> scale d, offset -8 d."""
+    b = _blocks(raw, Q.Q4_0)
+    d = _f16(b, 0)
+    return _quant4(_flat(_pack_nibbles(b[..., 2:18])), d, -8 * d)
+
+
+def q4_1(raw: np.ndarray) -> QuantWeight:
+    """block_q4_1, 32 values in 20 bytes: d f16 | m f16 | qs[16], nibbles as Q4_0;
+    w = d * q + m -> scale d, offset m."""
+    b = _blocks(raw, Q.Q4_1)
+    return _quant4(_flat(_pack_nibbles(b[..., 4:20])), _f16(b, 0), _f16(b, 2))
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: qh[4] is a little-endian uint32 whose bit j is value j's 5th bit; qs[16] holds
+    the low 4 bits as Q4_0's nibbles. -> codes 0..31 [rows, blocks, 32]."""
+    high = np.unpackbits(qh, axis=-1, bitorder="little")   # [rows, blocks, 32]: bit j of the u32
+    return _nibbles(qs) | (high << 4)
+
+
+def q5_0(raw: np.ndarray) -> QuantWeight:
+    """block_q5_0, 32 values in 22 bytes: d f16 | qh[4] | qs[16]; w = d * (q - 16) -> scale d,
+    offset -16 d (8-bit codes 0..31)."""
+    b = _blocks(raw, Q.Q5_0)
+    d = _f16(b, 0)
+    return make(_flat(_q5_codes(b[..., 2:6], b[..., 6:22])), 8, d, -16 * d)
+
+
+def q5_1(raw: np.ndarray) -> QuantWeight:
+    """block_q5_1, 32 values in 24 bytes: d f16 | m f16 | qh[4] | qs[16]; w = d * q + m."""
+    b = _blocks(raw, Q.Q5_1)
+    return make(_flat(_q5_codes(b[..., 4:8], b[..., 8:24])), 8, _f16(b, 0), _f16(b, 2))
+
+
+def q8_0(raw: np.ndarray) -> QuantWeight:
+    """block_q8_0, 32 values in 34 bytes: d f16 | qs int8[32]; w = d * c -> code c + 128 (the
+    int8's bits with the sign bit flipped), scale d, offset -128 d."""
+    b = _blocks(raw, Q.Q8_0)
+    d = _f16(b, 0)
+    return make(_flat(b[..., 2:34] ^ np.uint8(0x80)), 8, d, -128 * d)
+
+
+def _k_groups(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: d f16 at 0, dmin f16 at 2, 6-bit scales and mins at 4..15; sub-block k
+    (32 values) is w = d * sc[k] * q - dmin * m[k] -> scale d sc, offset -dmin m (products of a
+    float16 and a 6-bit integer: exact in float32), [rows, blocks * 8]."""
+    sc, mn = _k_scales(b[..., 4:16])
+    scale = _f16(b, 0)[..., None] * sc.astype(np.float32)
+    offset = -(_f16(b, 2)[..., None] * mn.astype(np.float32))
+    return _flat(scale), _flat(offset)
+
+
+def q4_k(raw: np.ndarray) -> QuantWeight:
+    """block_q4_K, 256 values in 144 bytes: d f16 | dmin f16 | scales[12] | qs[128]. The values
+    go in 4 chunks of 64, chunk c from qs[32c : 32c + 32]: its first 32 values (sub-block 2c) are
+    the low nibbles, the next 32 (sub-block 2c + 1) the high nibbles."""
+    b = _blocks(raw, Q.Q4_K)
+    qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)
+    return _quant4(_flat(_pack_nibbles(qs)), *_k_groups(b))
+
+
+def q5_k(raw: np.ndarray) -> QuantWeight:
+    """block_q5_K, 256 values in 176 bytes: d f16 | dmin f16 | scales[12] | qh[32] | qs[128].
+    The low 4 bits as Q4_K's; the 5th bit of value j of sub-block k (k = 0..7, j = 0..31) is bit
+    k of qh[j]. Codes 0..31 as 8-bit codes."""
+    b = _blocks(raw, Q.Q5_K)
+    rows, nb = b.shape[:2]
+    low = _nibbles(b[..., 48:176].reshape(rows, nb, 4, 32)).reshape(rows, nb, QK_K)
+    high = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little")   # [.., j, k]
+    high = high.swapaxes(-1, -2).reshape(rows, nb, QK_K)                    # [.., k, j]
+    return make(_flat(low | (high << 4)), 8, *_k_groups(b))
+
+
+def q6_k(raw: np.ndarray) -> QuantWeight:
+    """block_q6_K, 256 values in 210 bytes: ql[128] | qh[64] | scales int8[16] | d f16. Two
+    halves of 128 values; half h takes ql[64h : 64h + 64] and qh[32h : 32h + 32]. Its value
+    l = 32 i + j (i = 0..3, j = 0..31) has low 4 bits from ql[64h + 32 (i % 2) + j] (low nibble
+    for i < 2, high for i >= 2) and top 2 bits from bits 2i, 2i + 1 of qh[32h + j]. Sub-block k
+    (16 values) is w = d * scales[k] * (q - 32) -> 8-bit codes 0..63, groups of 16, scale
+    d * scales[k] (a float16 times an int8: exact in float32), offset -32 times it."""
+    b = _blocks(raw, Q.Q6_K)
+    rows, nb = b.shape[:2]
+    low = _nibbles(b[..., 0:128].reshape(rows, nb, 2, 64))                  # [.., h, 128]
+    qh = b[..., 128:192].reshape(rows, nb, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3            # [.., h, i, j]
+    codes = low | (high.reshape(rows, nb, 2, 128) << 4)
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    scale = _flat(_f16(b, 208)[..., None] * sc)
+    return make(_flat(codes.reshape(rows, nb, QK_K)), 8, scale, -32 * scale)
+
+
+GGUF_TO_QUANT: dict[Q, Callable[[np.ndarray], QuantWeight]] = {
+    Q.Q4_0: q4_0, Q.Q4_1: q4_1, Q.Q4_K: q4_k,
+    Q.Q5_0: q5_0, Q.Q5_1: q5_1, Q.Q5_K: q5_k, Q.Q6_K: q6_k, Q.Q8_0: q8_0,
+}
+
+
+def to_quant(raw: np.ndarray, qtype: Q, n_in: int) -> QuantWeight:
+    """A GGUF weight of type `qtype` with `n_in` inputs per row, its raw block bytes uint8
+    [rows, bytes_per_row], as a QuantWeight [rows, n_in] (ValueError if it does not fit)."""
+    qtype = Q(qtype)
+    if qtype not in GGUF_TO_QUANT:
+        raise ValueError(f"GGUF type {qtype.name} has no exact quantized form in the runtime")
+    block, size = GGML_QUANT_SIZES[qtype]
+    if n_in <= 0 or n_in % block or raw.ndim != 2 or raw.shape[1] != n_in // block * size:
+        raise ValueError(f"{qtype.name} rows of {n_in} values take {n_in // block * size} bytes "
+                         f"in blocks of {block}; got {list(raw.shape)}")
+    return GGUF_TO_QUANT[qtype](raw)
