@@ -142,13 +142,14 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
             calib_samples: int = calibration.DEFAULT_SAMPLES,
             calib_seqlen: int = calibration.DEFAULT_SEQLEN, clip: bool = True,
             duo_scaling: bool = True, seed: int = 0, force: bool = False,
-            progress: Progress | None = None) -> Path:
+            progress: Progress | None = None, notice: Callable[[str], None] | None = None) -> Path:
     """Convert `src` into the model directory `out`.
 
     method "none" keeps float weights of `dtype`; "rtn" and "awq" quantize every decoder linear to
     4-bit groups (AWQ calibrates on `calib`, by default the Python documentation); the other
     tensors are stored as `dtype`. Written to a temporary directory and renamed into place when
-    complete."""
+    complete. `notice(text)` hears of anything the user should know before it starts (a
+    source whose weights are quantized already)."""
     if method not in METHODS:
         raise TinyrtError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     if dtype not in FLOAT_DTYPES:
@@ -159,6 +160,11 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
     if out.exists() and not force:
         raise TinyrtError(f"{out} already exists (use --force to replace it)")
     source = open_source(src)
+    if source.quantized and method != "none" and notice:
+        notice(f"{source.path.name} holds quantized weights ({', '.join(source.quantized)}): "
+               f"--method {method} dequantizes them and rounds them a second time, which "
+               "usually costs quality (the default model's Q4_1 file loses several points of "
+               f"perplexity); tinyrt runs the GGUF as it is: tinyrt chat {source.path}")
     cfg = ModelConfig.from_dict(source.config)
     names = check_tensors(source, cfg)
     np_dtype = FLOAT_DTYPES[dtype]

@@ -11,10 +11,9 @@ from typing import Callable
 import numpy as np
 
 from tinyrt.errors import ModelFormatError
+from tinyrt.gguf_tokenizer import tokenizer_files
 from tinyrt.models.gguf import GGUFFile
 from tinyrt.models.weights import WeightStore
-
-from .gguf_tokenizer import tokenizer_files
 
 # files of an HF directory that travel with the weights, as they are
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -30,6 +29,7 @@ class Source:
     get: Callable[[str], np.ndarray]                # HF name -> float array in HF layout
     files: dict[str, str | bytes] = field(default_factory=dict)  # file name -> contents
     generation_config: dict | None = None
+    quantized: list[str] = field(default_factory=list)   # quantized types of its linear layers
 
 
 def open_source(path: str | Path) -> Source:
@@ -44,12 +44,13 @@ def open_source(path: str | Path) -> Source:
 
 def gguf_source(path: Path) -> Source:
     g = GGUFFile(path)
-    meta = {k[len("tokenizer.ggml."):]: g.get(k) for k in g.metadata
-            if k.startswith("tokenizer.ggml.")}
-    files = tokenizer_files(meta, g.get("tokenizer.chat_template"))
+    files = tokenizer_files(g)
     cfg = g.config()
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
-    return Source(path, cfg, g.hf_shapes(), g.hf_tensor, files, gen or None)
+    types = {g.tensor_type(n).name for n in g.tensors if n.startswith("blk.")
+             and len(g.tensors[n].shape) == 2}
+    quantized = sorted(types - {"F32", "F16", "BF16"})
+    return Source(path, cfg, g.hf_shapes(), g.hf_tensor, files, gen or None, quantized)
 
 
 def hf_source(path: Path) -> Source:

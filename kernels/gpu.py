@@ -347,7 +347,9 @@ class CudaBackend(reference.ReferenceBackend):
     def prepare_vector(self, a: np.ndarray):
         return self.dev(a)
 
-    def prepare_embedding(self, table: np.ndarray):
+    def prepare_embedding(self, table):
+        if not isinstance(table, np.ndarray):        # rows dequantized as indexed: all of them
+            table = table[np.arange(table.shape[0])]
         return self.dev(table, np.float16)
 
     # -- ops -------------------------------------------------------------------------------------

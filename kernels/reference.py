@@ -157,7 +157,11 @@ class ReferenceBackend:
     def prepare_vector(self, a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=np.float32)
 
-    def prepare_embedding(self, table: np.ndarray) -> np.ndarray:
+    def prepare_embedding(self, table):
+        """The embedding table [V, H]: an array (float32 here), or a table whose rows are
+        dequantized as they are indexed (`table[ids]`), kept as it is."""
+        if not isinstance(table, np.ndarray):
+            return table
         return np.ascontiguousarray(table, dtype=np.float32)
 
     def fused_decode(self, layer, tokens: int) -> bool:

@@ -26,9 +26,10 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 
 from tinyrt.errors import ModelFormatError
 from tinyrt.kernels.quant import QuantWeight
-from tinyrt.models.families import gguf_family
-from tinyrt.models.gguf_quants import GGUF_TO_QUANT, to_quant
+from tinyrt.models.families import family, gguf_family
+from tinyrt.models.gguf_quants import FORMS, GGUF_TO_QUANT, to_quant
 from tinyrt.models.llama import GGUF_GLOBAL, GGUF_LAYER
+from tinyrt.models.weights import ModelWeights, release_pages
 
 Q = GGMLQuantizationType
 V = GGUFValueType
@@ -460,3 +461,95 @@ class GGUFFile:
     @property
     def n_params(self) -> int:
         return sum(math.prod(s) for s in self.hf_shapes().values())
+
+
+class GGUFRows:
+    """A GGUF table [V, H] read a few rows at a time (the embedding): `table[ids]` -> float32
+    rows, dequantized from the file's bytes as they are indexed; nothing else is held."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, gguf: GGUFFile, name: str):
+        self.pages = gguf.raw(name)          # uint8 [V, bytes per row], a view of the file
+        self.qtype = gguf.tensor_type(name)
+        self.shape = gguf.tensors[name].np_shape
+
+    def __getitem__(self, ids) -> np.ndarray:
+        raw = self.pages[ids]
+        if self.qtype == Q.F32:
+            return raw.view(np.float32)
+        if self.qtype == Q.F16:
+            return raw.view(np.float16).astype(np.float32)
+        if self.qtype in GGUF_TO_QUANT:
+            from tinyrt.kernels.quant import dequantize
+
+            return dequantize(to_quant(raw, self.qtype, self.shape[1]))
+        from gguf.quants import dequantize
+
+        return dequantize(raw, self.qtype).reshape(len(raw), self.shape[1])
+
+
+class GGUFWeights(ModelWeights):
+    """A GGUF file's weights, run in place: each linear layer of a quantized type the runtime
+    holds (models/gguf_quants.py) as that quantized form, exactly; float tensors as stored; any
+    other type (Q2_K, Q3_K, IQ*, ...) dequantized to float at load (see `float_fallbacks`)."""
+
+    def __init__(self, path: str | Path, dtype: str | None = None):
+        super().__init__(dtype)
+        from tinyrt.models.config import ModelConfig
+
+        self.file = g = GGUFFile(path)
+        self.name = str(path)
+        self.config = cfg = ModelConfig.from_dict(g.config())
+        have = g.hf_shapes()
+        for name, shape in family(cfg.model_type).model.expected_shapes(cfg).items():
+            if name not in have:
+                raise ModelFormatError(f"{path}: tensor {g._gguf_names.get(name, name)!r} "
+                                       f"({name}) is missing")
+            if have[name] != shape:
+                raise ModelFormatError(f"{path}: tensor {g._gguf_names[name]!r} has shape "
+                                       f"{list(have[name])}, its metadata needs {list(shape)}")
+        self._layer_types = {g.tensor_type(g._gguf_names[f"{m}.weight"])
+                             for m in family(cfg.model_type).model.linear_shapes(cfg)}
+        self._quantized = bool(self._layer_types & set(GGUF_TO_QUANT))
+        self.nbytes = g.path.stat().st_size
+
+    def tensor(self, name: str) -> np.ndarray:
+        return self.file.hf_tensor(name)
+
+    def _linear(self, module: str):
+        return self.file.hf_linear(module)
+
+    def _embedding(self):
+        return GGUFRows(self.file, "token_embd.weight")
+
+    def _head(self):
+        return self.file.hf_linear("model.embed_tokens" if self.config.tie_word_embeddings
+                                   else "lm_head")
+
+    def release(self) -> None:
+        release_pages(self.file._bytes)
+
+    def float_fallbacks(self) -> dict[str, str]:
+        """Linear tensors (GGUF name -> type) whose type has no quantized form in the runtime:
+        they run as float."""
+        return {n: t.tensor_type.name for n, t in self.file.tensors.items()
+                if len(t.shape) == 2 and t.tensor_type not in GGUF_TO_QUANT
+                and t.tensor_type not in (Q.F32, Q.F16) and n != "token_embd.weight"}
+
+    def _kinds(self) -> dict[str, dict[str, int]]:
+        kinds: dict[str, dict[str, int]] = {}
+        for hf, name in self.file._gguf_names.items():
+            module = hf.rsplit(".", 1)[0]
+            if "layernorm" in module or module == "model.norm" or not hf.endswith(".weight"):
+                continue
+            kind = module.split(".", 3)[3] if module.startswith("model.layers.") else module
+            t = self.file.tensor_type(name).name
+            kinds.setdefault(kind, {}).setdefault(t, 0)
+            kinds[kind][t] += 1
+        if self.config.tie_word_embeddings:
+            kinds["lm_head"] = kinds["model.embed_tokens"]
+        return kinds
+
+    def _form(self, stored: str) -> tuple[int, int] | None:
+        return FORMS.get(Q[stored])

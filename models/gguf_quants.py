@@ -169,6 +169,10 @@ def q6_k(raw: np.ndarray) -> QuantWeight:
     return make(_flat(codes.reshape(rows, nb, QK_K)), 8, scale, -32 * scale)
 
 
+# the form each type takes: (bits of its codes, inputs per group)
+FORMS = {Q.Q4_0: (4, 32), Q.Q4_1: (4, 32), Q.Q4_K: (4, 32), Q.Q5_0: (8, 32), Q.Q5_1: (8, 32),
+         Q.Q5_K: (8, 32), Q.Q6_K: (8, 16), Q.Q8_0: (8, 32)}
+
 GGUF_TO_QUANT: dict[Q, Callable[[np.ndarray], QuantWeight]] = {
     Q.Q4_0: q4_0, Q.Q4_1: q4_1, Q.Q4_K: q4_k,
     Q.Q5_0: q5_0, Q.Q5_1: q5_1, Q.Q5_K: q5_k, Q.Q6_K: q6_k, Q.Q8_0: q8_0,

@@ -181,8 +181,10 @@ class WeightStore:
 
 
 def release_pages(a) -> None:
-    """Drop the pages of `a`, a NumPy view of a mapped file, from the resident set; they fault
-    back in from the OS's file cache when read again. Other arrays: no-op."""
+    """Drop the pages of `a`, a NumPy view of a mapped file (or a table whose `pages` is one),
+    from the resident set; they fault back in from the OS's file cache when read again. Other
+    arrays: no-op."""
+    a = getattr(a, "pages", a)
     root = a
     while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
         root = root.base
@@ -290,10 +292,39 @@ class ModelWeights:
 
     nbytes = 0
 
-    def stored_types(self) -> dict[str, str]:
-        """Kind of tensor (HF module name without the layer, e.g. self_attn.q_proj) -> how the
-        file stores it, e.g. {"mlp.down_proj": "Q6_K x 11, Q4_K x 11"}."""
+    def float_fallbacks(self) -> dict[str, str]:
+        """Linear tensors stored in a quantized type that has no quantized kernel here, which
+        therefore run as float: name -> type."""
+        return {}
+
+    def _kinds(self) -> dict[str, dict[str, int]]:
+        """Linear layers and tables by kind (HF module name without its layer: self_attn.q_proj,
+        model.embed_tokens, lm_head) -> {stored type: how many}."""
         raise NotImplementedError
+
+    def _form(self, stored: str) -> tuple[int, int] | None:
+        """The (bits, group size) a stored type runs as, None for float."""
+        raise NotImplementedError
+
+    def describe(self) -> list[tuple[str, str, str]]:
+        """(kind, how the file stores it, what it runs as) for each kind of linear layer and
+        table: what `tinyrt info` shows."""
+        rows = []
+        for kind, counts in self._kinds().items():
+            stored = ", ".join(t if len(counts) == 1 else f"{t} x {n}" for t, n in counts.items())
+            runs = []
+            for t in counts:
+                form = None if self.dtype else self._form(t)
+                if kind == "model.embed_tokens":
+                    runs.append("rows dequantized as they are read" if form else "float rows")
+                elif form:
+                    runs.append(f"W{form[0]}A16 kernel ({form[0]}-bit codes, groups of {form[1]})")
+                elif kind == "lm_head" and self.quantized:
+                    runs.append("int8 rows (quantized at load)")
+                else:
+                    runs.append(f"float32 ({self.dtype or 'as stored'})")
+            rows.append((kind, stored, "; ".join(dict.fromkeys(runs))))
+        return rows
 
 
 class DirectoryWeights(ModelWeights):
@@ -338,13 +369,19 @@ class DirectoryWeights(ModelWeights):
     def release(self) -> None:
         self.store.release()
 
-    def stored_types(self) -> dict[str, str]:
-        q = self.config.quant
-        kinds = {}
+    def _kinds(self) -> dict[str, dict[str, int]]:
+        kinds: dict[str, dict[str, int]] = {}
         for name in self.store.keys():
             module, _, part = name.rpartition(".")
-            if part in ("weight", "qweight"):
-                kind = module.split(".", 3)[3] if module.startswith("model.layers.") else module
-                kinds[kind] = (f"AWQ 4-bit, groups of {q.group_size}" if part == "qweight"
-                               else self.store.dtype(name))
+            if part not in ("weight", "qweight") or "layernorm" in module or module == "model.norm":
+                continue
+            kind = module.split(".", 3)[3] if module.startswith("model.layers.") else module
+            t = "AWQ" if part == "qweight" else self.store.dtype(name)
+            kinds.setdefault(kind, {}).setdefault(t, 0)
+            kinds[kind][t] += 1
+        if self.config.tie_word_embeddings:
+            kinds["lm_head"] = {"(the embedding)": 1}
         return kinds
+
+    def _form(self, stored: str) -> tuple[int, int] | None:
+        return (4, self.config.quant.group_size) if stored == "AWQ" else None

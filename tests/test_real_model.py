@@ -1,4 +1,5 @@
-"""The float path on the real default model against HF transformers loading the same GGUF."""
+"""The real default model, run from its GGUF on its quantized kernels (as users get it) and on the
+float path (dtype f32 / f16), against HF transformers loading the same GGUF (dequantized)."""
 
 import numpy as np
 import pytest
@@ -19,14 +20,21 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def llm32(smol_f32):
+def llm32(smol):
     """The float path at full precision: float32 weights and KV cache."""
-    return tinyrt.LLM(smol_f32, kv_type="f32")
+    return tinyrt.LLM(smol, dtype="f32", kv_type="f32")
 
 
 @pytest.fixture(scope="module")
-def llm16(smol_f16):
-    return tinyrt.LLM(smol_f16)
+def llm16(smol):
+    """The float path on float16 weights."""
+    return tinyrt.LLM(smol, dtype="f16")
+
+
+@pytest.fixture(scope="module")
+def llm4(smol):
+    """As users get it: the file's Q4_1 layers and Q8_0 head on the quantized kernels."""
+    return tinyrt.LLM(smol)
 
 
 def _greedy(llm, prompt, n=64):
@@ -61,9 +69,9 @@ def test_logits_agree_with_transformers_over_256_tokens(llm32, hf_gguf_model, lo
     assert (ours.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_float16_kv_cache_error(smol_f32, hf_gguf_model, long_text):
+def test_float16_kv_cache_error(smol, hf_gguf_model, long_text):
     """The default float16 KV cache: the logits' error it adds over 256 tokens stays small."""
-    ids, ours = _logits_256(tinyrt.LLM(smol_f32), long_text)
+    ids, ours = _logits_256(tinyrt.LLM(smol, dtype="f32"), long_text)
     want = hf_logits(hf_gguf_model, ids)
     err = rel_err(ours, want)
     agree = (ours.argmax(-1) == want.argmax(-1)).mean()
@@ -79,6 +87,19 @@ def test_greedy_64_tokens_identical_f32_and_f16(llm32, llm16, hf_gguf_model, pro
     assert _greedy(llm16, prompt) == want
 
 
-def test_golden_answer(llm16):
+def test_quantized_kernels_agree_with_transformers(llm4, hf_gguf_model, long_text):
+    """The file's own 4- and 8-bit codes on the kernels (activations rounded to int16 per block,
+    a float16 KV cache) against transformers' float32 model of the same weights."""
+    assert llm4.model.layers[0].qkv.bits == 4 and llm4.model.lm_head.bits == 8
+    ids, ours = _logits_256(llm4, long_text)
+    want = hf_logits(hf_gguf_model, ids)
+    err, agree = rel_err(ours, want), (ours.argmax(-1) == want.argmax(-1)).mean()
+    print(f"\n4-bit kernels: logits relative error {err:.2e}; top-1 agreement {agree:.4f}")
+    assert err <= 2e-3 and agree >= 0.99
+
+
+def test_golden_answer(llm4, llm16):
+    assert llm4.generate("What is the capital of France?", temperature=0) == \
+        "The capital of France is Paris."
     assert llm16.generate("What is the capital of France?", temperature=0) == \
         "The capital of France is Paris."

@@ -435,10 +435,10 @@ def test_verification_rows_are_the_decode_steps_logits(models):
 
 
 @pytest.mark.real_model
-def test_default_model_greedy_with_its_awq_draft(smol_f16, smol_awq):
+def test_default_model_greedy_with_its_awq_draft(smol, smol_awq):
     """The bar's pair: the float default model with its AWQ version as the draft."""
-    target = tinyrt.LLM(smol_f16, device="cpu", kv_size=512)
-    llm = tinyrt.LLM(smol_f16, device="cpu", kv_size=512, draft=smol_awq)
+    target = tinyrt.LLM(smol, device="cpu", kv_size=512)
+    llm = tinyrt.LLM(smol, device="cpu", kv_size=512, draft=smol_awq)
     assert llm.drafter.shared                    # a quantized copy: it reads the target's cache
     ids = target.prompt_ids("Give me three tips for learning a new language.")
     want = plain(target, ids, 40, temperature=0)

@@ -34,16 +34,16 @@ LLAMA_CPP_IDS = {
 
 
 @pytest.fixture(scope="module")
-def smol_tok(smol_f16):
-    return load_tokenizer(smol_f16)
+def smol_tok(smol):
+    return load_tokenizer(smol)
 
 
 @pytest.fixture(scope="module")
-def hf_dir_tok(smol_f16):
+def hf_dir_tok(smol_f32):
     """transformers reading the tokenizer files our converter wrote."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smol_f16))
+    return AutoTokenizer.from_pretrained(str(smol_f32))
 
 
 def test_default_model_whole_long_text_equals_transformers(smol_tok, hf_dir_tok, long_text):
@@ -131,7 +131,7 @@ def test_spm_gguf_vocab_tokenizes_as_sentencepiece(tmp_path, long_text):
     sentencepiece on the BPE model it came from (llama.cpp runs SPM vocabularies by that rule)."""
     import sentencepiece as spm
 
-    from tinyrt.converters.gguf_tokenizer import build_tokenizer
+    from tinyrt.gguf_tokenizer import build_tokenizer
 
     d = _train_sentencepiece(tmp_path, "bpe", long_text[:300_000])
     sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))

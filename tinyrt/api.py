@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -25,7 +26,7 @@ Prompt = str | Sequence[dict]
 
 def _generation_config(directory: Path) -> dict:
     path = directory / "generation_config.json"
-    if not path.exists():
+    if not directory.is_dir() or not path.exists():
         return {}
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
@@ -49,14 +50,16 @@ class LLM:
     string (a user message, put through the chat template unless `raw=True`) or a list of
     {"role", "content"} messages.
 
-    `directory` is a model directory (`load` resolves names, GGUF files and HF ids to one);
-    `cache` the KV cache options, or their fields as keywords (kv_policy="sink", kv_size=...);
+    `directory` is a model directory or a GGUF file (`load` resolves names to one); `dtype`
+    "f16" / "f32" runs on float weights (a quantized model's dequantized at load), None (the
+    default) on the weights as stored; `cache` the KV cache options, or their fields as keywords (kv_policy="sink", kv_size=...);
     `draft` (speculative decoding) a draft model's directory, "lookup" or "layers:N" (see
     speculative.make_drafter), proposing at most `draft_tokens`.
     """
 
     def __init__(self, directory: str | os.PathLike, *, device: str = "auto",
-                 threads: int | None = None, cache: CacheOptions | None = None,
+                 threads: int | None = None, dtype: str | None = None,
+                 cache: CacheOptions | None = None,
                  draft: str | os.PathLike | None = None, draft_tokens: int = MAX_GAMMA,
                  **cache_fields):
         start = time.perf_counter()
@@ -75,7 +78,10 @@ class LLM:
         self.tokenizer = load_tokenizer(self.directory)
         self.template = template_from_config(self.tokenizer.config)
         trim_heap()
-        self.model = load_model(self.directory, self.backend)
+        try:
+            self.model = load_model(self.directory, self.backend, dtype)
+        except ValueError as e:         # an unknown dtype
+            raise TinyrtError(str(e)) from None
         self.config = cfg = self.model.config
         self.generation_config = _generation_config(self.directory)
         if draft is not None:
@@ -157,24 +163,32 @@ class LLM:
 
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto",
-         threads: int | None = None, draft: str | os.PathLike | None = None,
+         threads: int | None = None, dtype: str | None = None,
+         draft: str | os.PathLike | None = None,
          draft_tokens: int = MAX_GAMMA, quiet: bool = False, cache: CacheOptions | None = None,
          **cache_fields) -> LLM:
-    """Load a model: a model directory, a GGUF file or HF directory (converted once and cached),
-    a known name, or None for the default model (fetched and converted on first use). `draft`
+    """Load a model: a model directory (float or AWQ safetensors), a GGUF file (run in place:
+    its quantized tensors on the quantized kernels), a known name, or None for the default model
+    (its GGUF fetched on first use). `dtype` "f16" / "f32": run on float weights instead. `draft`
     (speculative decoding): a model with the same vocabulary (as `model`), `lookup` (prompt
     lookup) or `layers:N` (the model's first N layers); drafts of at most `draft_tokens`.
     `cache` is the KV cache options (kv_cache.CacheOptions), or give its fields as keywords
     (kv_policy, kv_size, kv_type, sinks, recent).
 
-    This is the front end of the API: names and files become model directories here (the
-    converter runs where one must be made), then `LLM` loads the directory."""
+    This is the front end of the API: names become files here (fetched where they must be),
+    then `LLM` loads the directory or file."""
     from .registry import resolve            # (it imports the converter only to convert)
 
     start = time.perf_counter()
     if draft is not None and str(draft) != "lookup" and not str(draft).startswith("layers:"):
-        draft = resolve(draft, quiet=quiet)          # (a file converts here, with progress)
-    llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, cache=cache,
+        draft = resolve(draft, quiet=quiet)
+    llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, dtype=dtype, cache=cache,
               draft=draft, draft_tokens=draft_tokens, **cache_fields)
+    fallbacks = llm.model.weights.float_fallbacks()
+    if fallbacks and not quiet and dtype is None:
+        types = ", ".join(sorted(set(fallbacks.values())))
+        print(f"note: {len(fallbacks)} tensors of type {types} have no quantized kernel here and run "
+              f"as float ({', '.join(list(fallbacks)[:3])}{', ...' if len(fallbacks) > 3 else ''})",
+              file=sys.stderr)
     llm.load_s = time.perf_counter() - start
     return llm

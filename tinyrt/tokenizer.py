@@ -1,9 +1,10 @@
-"""Tokenizers of a model directory, and incremental detokenization for streaming.
+"""Tokenizers of a model directory or GGUF file, and incremental detokenization for streaming.
 
 `tokenizer.json` is read with HF `tokenizers` (byte-level BPE, SentencePiece-style BPE, ...);
 a directory with only `tokenizer.model` is read with `sentencepiece`, special tokens split out of
 the text first and each piece of text between them encoded on its own (as llama.cpp does).
-`tokenizer_config.json` supplies the BOS/EOS strings, `add_bos_token` and the chat template.
+`tokenizer_config.json` supplies the BOS/EOS strings, `add_bos_token` and the chat template. A GGUF
+file's tokenizer is built from its metadata (tinyrt/gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ class Tokenizer:
 
 
 class HFTokenizer(Tokenizer):
-    def __init__(self, path: Path, config: dict):
+    def __init__(self, path: Path | Any, config: dict):
+        """`path`: a tokenizer.json, or a `tokenizers.Tokenizer` built already."""
         from tokenizers import Tokenizer as _Tok
 
         try:
-            self.tok = _Tok.from_file(str(path))
+            self.tok = path if isinstance(path, _Tok) else _Tok.from_file(str(path))
         except Exception as e:  # the tokenizers library raises bare Exceptions on bad files
             raise ModelFormatError(f"{path} is not a valid tokenizer.json ({str(e)[:200]})") from None
         super().__init__(config)
@@ -189,8 +191,14 @@ def tokenizer_config(directory: str | Path) -> dict:
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
-    """The tokenizer of a model directory: tokenizer.json if present, else tokenizer.model."""
+    """The tokenizer of a model directory (tokenizer.json if present, else tokenizer.model) or
+    of a GGUF file."""
     directory = Path(directory)
+    if directory.is_file():
+        from tinyrt.gguf_tokenizer import gguf_tokenizer
+        from tinyrt.models.gguf import GGUFFile
+
+        return HFTokenizer(*gguf_tokenizer(GGUFFile(directory)))
     config = tokenizer_config(directory)
     if (directory / "tokenizer.json").exists():
         return HFTokenizer(directory / "tokenizer.json", config)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tinyrt.kernels import DEVICES
-
-from .options import add_draft_options
+from .options import add_draft_options, add_runtime_options
 
 
 def add_parser(sub) -> None:
@@ -22,8 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
     add_draft_options(p)
-    p.add_argument("--device", choices=DEVICES, default="auto")
-    p.add_argument("--threads", type=int, default=None)
+    add_runtime_options(p)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -32,7 +29,8 @@ def main(args: argparse.Namespace) -> int:
     from tinyrt import bench
     from tinyrt.errors import TinyrtError
 
-    llm = tinyrt.load(args.model, device=args.device, threads=args.threads, draft=args.draft,
+    llm = tinyrt.load(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
+                      draft=args.draft,
                       draft_tokens=args.draft_tokens,
                       kv_size=args.prompt_tokens + args.decode_tokens)
     try:

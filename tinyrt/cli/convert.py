@@ -50,7 +50,8 @@ def main(args: argparse.Namespace) -> int:
         out = convert(args.src, args.out, method=args.method, dtype=args.dtype, bits=args.w_bit,
                       group_size=args.group_size, calib=args.calib,
                       calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
-                      clip=not args.no_clip, seed=args.seed, force=args.force, progress=progress)
+                      clip=not args.no_clip, seed=args.seed, force=args.force, progress=progress,
+                      notice=lambda text: print(f"note: {text}", file=sys.stderr, flush=True))
     finally:
         progress.close()
     seconds = time.perf_counter() - start

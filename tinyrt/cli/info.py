@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from tinyrt.errors import TinyrtError
@@ -16,32 +15,23 @@ def add_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL")
 
 
-def _gguf_rows(path: Path) -> list[tuple[str, str]]:
-    from collections import Counter
+def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str, str]]]:
+    """(what the file is, its HF config, (kind, stored as, runs as) per kind of tensor)."""
+    from tinyrt.models import open_weights
 
-    from tinyrt.converters import GGUFFile
-
-    g = GGUFFile(path)
-    types = Counter(t.tensor_type.name for t in g.tensors.values())
-    return [("file", f"{path} (GGUF, {path.stat().st_size / 1e6:.1f} MB)"),
-            ("tensor types", ", ".join(f"{k} x{v}" for k, v in types.most_common())),
-            ("parameters", f"{g.n_params / 1e6:.1f} M")], g.config()
-
-
-def _dir_rows(path: Path):
-    from tinyrt.models import ModelConfig, WeightStore
-
-    cfg = ModelConfig.from_file(path / "config.json")
-    store = WeightStore(path)
-    n = sum(math.prod(store.shape(k)) for k in store.keys())
-    dtypes = sorted({store.dtype(k) for k in store.keys()})
+    cfg, weights = open_weights(path)
+    if path.is_file():
+        rows = [("file", f"{path} (GGUF, {path.stat().st_size / 1e6:.1f} MB)")]
+    else:
+        tok = ("tokenizer.json" if (path / "tokenizer.json").exists()
+               else "tokenizer.model" if (path / "tokenizer.model").exists() else "missing")
+        rows = [("directory", str(path)),
+                ("weights", f"{weights.nbytes / 1e6:.1f} MB in {len(weights.store.files)} file(s)"),
+                ("tokenizer", tok)]
     q = cfg.quant
-    quant = f"AWQ {q.bits}-bit, group {q.group_size}" if q else f"none ({'/'.join(dtypes)} weights)"
-    tok = ("tokenizer.json" if (path / "tokenizer.json").exists()
-           else "tokenizer.model" if (path / "tokenizer.model").exists() else "missing")
-    return [("directory", str(path)), ("weights", f"{store.nbytes / 1e6:.1f} MB in {len(store.files)} file(s)"),
-            ("quantization", quant), ("tensors", f"{len(store.keys())} ({n / 1e6:.1f} M values)"),
-            ("tokenizer", tok)], cfg.to_dict()
+    rows.append(("quantization", f"AWQ {q.bits}-bit, groups of {q.group_size}" if q
+                 else "per tensor, as below" if weights.quantized else "none (float weights)"))
+    return rows, cfg.to_dict(), weights.describe()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,21 +42,17 @@ def main(args: argparse.Namespace) -> int:
 
     spec = args.model
     path = Path(spec).expanduser() if spec else None
-    if path is not None and path.is_file():
-        rows, cfg = _gguf_rows(path)
-    elif path is not None and path.is_dir():
-        if not is_model_dir(path):
-            raise TinyrtError(f"{path} is not a model directory")
-        rows, cfg = _dir_rows(path)
-    else:
+    if path is not None and path.is_dir() and not is_model_dir(path):
+        raise TinyrtError(f"{path} is not a model directory")
+    if path is None or not path.exists():
         name = ALIASES.get(spec or "default", spec)
         if name not in KNOWN_MODELS:
             raise TinyrtError(f"model {spec!r} is neither a file, a directory nor a known name")
-        local = cache_dir() / "models" / f"{name}-f16"
-        if not is_model_dir(local):
+        path = cache_dir() / "gguf" / Path(KNOWN_MODELS[name].member).name
+        if not path.is_file():
             print(f"{name}: {KNOWN_MODELS[name].description}; not fetched yet (tinyrt pull {name})")
             return 0
-        rows, cfg = _dir_rows(local)
+    rows, cfg, kinds = _rows(path)
     table = Table(show_header=False, box=None)
     for k, v in rows:
         table.add_row(k, v)
@@ -77,5 +63,10 @@ def main(args: argparse.Namespace) -> int:
     for k in keys:
         if cfg.get(k) is not None:
             table.add_row(k, str(cfg[k]))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    tensors = Table("tensor", "stored as", "runs as", box=None)
+    for row in kinds:
+        tensors.add_row(*row)
+    console.print(tensors)
     return 0

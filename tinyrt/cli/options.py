@@ -30,8 +30,17 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("runtime")
     add_cache_options(r, policy="dense")
     add_draft_options(r)
-    r.add_argument("--device", choices=DEVICES, default="auto")
-    r.add_argument("--threads", type=int, default=None)
+    add_runtime_options(r)
+
+
+def add_runtime_options(g) -> None:
+    """Where and how the weights run: --device, --threads, --dtype."""
+    g.add_argument("--device", choices=DEVICES, default="auto")
+    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--dtype", choices=["f16", "f32"], default=None,
+                   help="run on float weights of this type (quantized weights dequantized at "
+                        "load); default: the weights as stored, a quantized model on its "
+                        "quantized kernels")
 
 
 def add_draft_options(g) -> None:
@@ -84,7 +93,8 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
 def load_llm(args: argparse.Namespace):
     import tinyrt
 
-    return tinyrt.load(args.model, device=args.device, threads=args.threads, draft=args.draft,
+    return tinyrt.load(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
+                       draft=args.draft,
                        draft_tokens=args.draft_tokens, cache=cache_options(args))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tinyrt.errors import TinyrtError
 
-from .options import add_cache_options, add_model_option, cache_options
+from .options import add_cache_options, add_model_option, add_runtime_options, cache_options
 
 
 def add_parser(sub) -> None:
@@ -23,8 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None)
+    add_runtime_options(p)
     st = p.add_argument_group("KV cache (all but --kv-type with --stream only)")
     st.add_argument("--stream", action="store_true", help="token by token through a KV cache")
     add_cache_options(st, policy="sink", size=1024)
@@ -42,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
         raise TinyrtError(f"cannot read {args.text}: {type(e).__name__}") from None
     llm = tinyrt.load(args.model or args.model_pos, device=args.device, threads=args.threads,
-                      kv_type=args.kv_type)
+                      dtype=args.dtype, kv_type=args.kv_type)
     bar = Progress(TextColumn("ppl"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
     task = None

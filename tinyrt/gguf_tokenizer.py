@@ -129,16 +129,13 @@ def _build_tokenizer(meta: dict[str, Any]):
     return tok, add_bos
 
 
-def tokenizer_files(meta: dict[str, Any], chat_template: str | None) -> dict[str, str]:
-    """`tokenizer.json` and `tokenizer_config.json` contents for a GGUF's tokenizer metadata."""
-    import json
-
-    tok, add_bos = build_tokenizer(meta)
+def tokenizer_config(meta: dict[str, Any], chat_template: str | None, add_bos: bool) -> dict:
+    """The `tokenizer_config.json` of a GGUF's tokenizer metadata."""
     tokens = meta["tokens"]
 
     def name(key: str) -> str | None:
         i = meta.get(key)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -153,6 +150,22 @@ def tokenizer_files(meta: dict[str, Any], chat_template: str | None) -> dict[str
     }
     if chat_template:
         config["chat_template"] = chat_template
-    config = {k: v for k, v in config.items() if v is not None}
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def gguf_tokenizer(gguf) -> tuple[Any, dict]:
+    """A GGUF file's (models.gguf.GGUFFile) tokenizer, built from its metadata: the
+    `tokenizers.Tokenizer` and its tokenizer_config.json."""
+    meta = {k[len("tokenizer.ggml."):]: gguf.get(k) for k in gguf.metadata
+            if k.startswith("tokenizer.ggml.")}
+    tok, add_bos = build_tokenizer(meta)
+    return tok, tokenizer_config(meta, gguf.get("tokenizer.chat_template"), add_bos)
+
+
+def tokenizer_files(gguf) -> dict[str, str]:
+    """`tokenizer.json` and `tokenizer_config.json` contents for a GGUF file's tokenizer."""
+    import json
+
+    tok, config = gguf_tokenizer(gguf)
     return {"tokenizer.json": tok.to_str(pretty=False),
             "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)}
