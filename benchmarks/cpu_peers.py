@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from gguf_peers import LlamaCpp, peak_rss_mb      # (benchmarks/ is sys.path[0] as a script)
+
 
 def prompt(n: int) -> list[int]:
     import tinyrt
@@ -25,29 +27,9 @@ def prompt(n: int) -> list[int]:
 
 
 def llama_cpp(args, ids):
-    import llama_cpp
-    import numpy as np
-
-    m = llama_cpp.Llama(args.gguf, n_ctx=4096, n_threads=args.threads,
-                        n_threads_batch=args.threads, n_batch=512, verbose=False)
-
-    def last_logits():      # the last evaluated token's logits (Llama.scores stays empty here)
-        ptr = llama_cpp.llama_get_logits_ith(m._ctx.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(m.n_vocab(),))
-
-    ttft, decode = [], []
-    for _ in range(args.runs):
-        m.reset()
-        t = time.perf_counter()
-        m.eval(ids)
-        tok = int(last_logits().argmax())
-        ttft.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        for _ in range(args.decode):
-            m.eval([tok])
-            tok = int(last_logits().argmax())
-        decode.append((time.perf_counter() - t) / args.decode)
-    return ttft, decode
+    m = LlamaCpp(args.gguf, args.threads)          # n_ctx 4096, n_batch 512
+    runs = [m.run(ids, args.decode) for _ in range(args.runs)]
+    return [r[0] for r in runs], [r[1] for r in runs]
 
 
 def hf(args, ids):
@@ -86,13 +68,6 @@ def tinyrt_cpu(args, ids):
 
 
 ENGINES = {"tinyrt": tinyrt_cpu, "llama.cpp": llama_cpp, "transformers": hf}
-
-
-def peak_rss_mb() -> float:
-    """This process's peak RSS (VmHWM: unlike ru_maxrss, not inherited from the parent)."""
-    with open("/proc/self/status") as f:
-        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    return kb / 1024
 
 
 def child(args) -> None:

@@ -135,6 +135,8 @@ def concat(parts: list[QuantWeight]) -> QuantWeight:
     n_in = parts[0].shape[1]
     if any(p.shape[1] != n_in for p in parts):
         raise ValueError("fused layers must share their input size")
+    if len(parts) == 1:
+        return parts[0]
     bits = max(p.bits for p in parts)
     g = math.gcd(*(p.group_size for p in parts))
     parts = [widen(p, bits, g) for p in parts]

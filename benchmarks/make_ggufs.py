@@ -1,0 +1,220 @@
+"""The GGUF files of the GGUF benchmark (benchmarks/gguf_peers.py), made here (not in CI):
+
+    smollm2-q4km     the default model's Q4_1 GGUF requantized by llama.cpp to Q4_K_M
+                     (its rows, 576, are not a multiple of 256: llama.cpp falls back to Q5_0/Q8_0
+                     for most tensors)
+    tinyllama-f16    a random-weight float16 GGUF of TinyLlama-1.1B's shape (llama, hidden 2048,
+                     22 layers, 32 heads, 4 KV heads, FFN 5632, untied head, rope theta 1e4,
+                     RMS eps 1e-5, context 2048) with the default model's tokenizer (vocab 49152),
+                     written tensor by tensor (~2.3 GB on disk, one tensor in memory at a time)
+    tinyllama-q4km   its Q4_K_M (rows a multiple of 256: Q4_K with Q6_K for some tensors)
+    tinyllama-q4_0   its Q4_0
+
+    python benchmarks/make_ggufs.py                        # all four, into /tmp/bench_gguf
+    python benchmarks/make_ggufs.py --out DIR tinyllama-f16 tinyllama-q4km
+    python benchmarks/make_ggufs.py --types FILE.gguf ...  # tensor types per tensor kind
+
+Files: DIR/smollm2-135m.Q4_K_M.gguf, DIR/tinyllama-shape.{f16,Q4_K_M,Q4_0}.gguf. A file that exists
+is kept (--force remakes it). The random weights are N(0, 0.02) (the output projections, attn_output
+and ffn_down, 0.02 / sqrt(2 * layers), as GPT-2 initializes them), norms 1 + N(0, 0.02), the same
+for a given --seed. Quantization is llama.cpp's own (`llama_cpp.llama_model_quantize` with the
+default parameters, allow_requantize on), so it needs `pip install llama-cpp-python gguf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_OUT = Path("/tmp/bench_gguf")
+SMOLLM2_Q4KM = "smollm2-135m.Q4_K_M.gguf"
+TINYLLAMA = "tinyllama-shape.{}.gguf"
+
+# TinyLlama-1.1B's shape (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json), with the
+# default model's vocabulary so that llama.cpp and tinyrt tokenize the same text the same way
+TINYLLAMA_SHAPE = dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, context=2048,
+                       rope_theta=10000.0, rms_eps=1e-5)
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF (Q4_1 linears, Q8_0 token_embd), fetched if it is not cached."""
+    from tinyrt.registry import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
+
+    return Path(fetch_gguf(KNOWN_MODELS[DEFAULT_MODEL], quiet=True))
+
+
+def quantize(src: Path, dst: Path, ftype: str, threads: int = 0) -> None:
+    """llama.cpp's quantizer: `src` to `dst` as llama_cpp.LLAMA_FTYPE_<ftype> (e.g. MOSTLY_Q4_K_M),
+    its default parameters, requantizing a quantized source."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{ftype}")
+    params.allow_requantize = True
+    params.nthread = threads
+    tmp = dst.with_name(dst.name + ".part")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({src} -> {ftype}) returned {rc}")
+    tmp.rename(dst)
+
+
+def tokenizer_fields(src: Path) -> list[tuple[str, object, object, object]]:
+    """(key, value, type, array element type) of every tokenizer.* field of a GGUF file."""
+    from gguf import GGUFReader, GGUFValueType
+
+    out = []
+    for key, f in GGUFReader(str(src)).fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+            out.append((key, f.contents(), f.types[0], sub))
+    return out
+
+
+def write_random_llama(dst: Path, tokenizer_src: Path, seed: int = 0, *, hidden: int, layers: int,
+                       heads: int, kv_heads: int, ffn: int, context: int, rope_theta: float,
+                       rms_eps: float) -> None:
+    """A float16 GGUF of a Llama of this shape with random weights (1-D tensors float32) and the
+    tokenizer of `tokenizer_src`, streamed: each tensor is made, written and dropped in turn."""
+    import gguf
+
+    tok = tokenizer_fields(tokenizer_src)
+    vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
+    head_dim = hidden // heads
+    std, out_std = 0.02, 0.02 / np.sqrt(2 * layers)
+    # (name, numpy shape [rows = outputs, cols = inputs], std; None: a norm)
+    tensors = [("token_embd.weight", (vocab, hidden), std)]
+    for i in range(layers):
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", (hidden,), None),
+                    (b + "attn_q.weight", (heads * head_dim, hidden), std),
+                    (b + "attn_k.weight", (kv_heads * head_dim, hidden), std),
+                    (b + "attn_v.weight", (kv_heads * head_dim, hidden), std),
+                    (b + "attn_output.weight", (hidden, heads * head_dim), out_std),
+                    (b + "ffn_norm.weight", (hidden,), None),
+                    (b + "ffn_gate.weight", (ffn, hidden), std),
+                    (b + "ffn_up.weight", (ffn, hidden), std),
+                    (b + "ffn_down.weight", (hidden, ffn), out_std)]
+    tensors += [("output_norm.weight", (hidden,), None), ("output.weight", (vocab, hidden), std)]
+
+    tmp = dst.with_name(dst.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), arch="llama")
+    w.add_name("tinyllama-shape random f16")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_vocab_size(vocab)
+    for key, value, vtype, sub in tok:
+        w.add_key_value(key, value, vtype, sub)
+    for name, shape, _ in tensors:
+        dtype = np.float32 if len(shape) == 1 else np.float16
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        w.add_tensor_info(name, shape, np.dtype(dtype), nbytes)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for i, (name, shape, s) in enumerate(tensors):
+        rng = np.random.default_rng([seed, i])
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if s is None:
+            x = 1 + 0.02 * x
+        else:
+            x *= s
+            x = x.astype(np.float16)
+        w.write_tensor_data(x)
+        del x
+    w.close()
+    tmp.rename(dst)
+
+
+def tensor_types(path: Path) -> dict[str, collections.Counter]:
+    """Tensor kind (the name without blk.N.) -> Counter of GGML types."""
+    from gguf import GGUFReader
+
+    kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for t in GGUFReader(str(path)).tensors:
+        kinds[re.sub(r"^blk\.\d+\.", "", t.name)][t.tensor_type.name] += 1
+    return dict(kinds)
+
+
+def print_types(path: Path) -> None:
+    kinds = tensor_types(path)
+    total = sum((c for c in kinds.values()), collections.Counter())
+    print(f"{path} ({path.stat().st_size / 2**20:.1f} MiB): "
+          + ", ".join(f"{n} {t}" for t, n in total.most_common()))
+    for kind, c in kinds.items():
+        print(f"  {kind:22s} " + ", ".join(f"{n} {t}" for t, n in c.most_common()))
+
+
+TARGETS = ["smollm2-q4km", "tinyllama-f16", "tinyllama-q4km", "tinyllama-q4_0"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("targets", nargs="*", metavar="TARGET",
+                    help=f"what to build: {', '.join(TARGETS)} or all (default)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder (default {DEFAULT_OUT})")
+    ap.add_argument("--source", type=Path, default=None,
+                    help="the default model's GGUF (default: tinyrt's cached copy)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="quantizer threads (0: all cores)")
+    ap.add_argument("--force", action="store_true", help="remake files that exist")
+    ap.add_argument("--types", type=Path, nargs="+", metavar="GGUF",
+                    help="only print the tensor types of these files")
+    args = ap.parse_args()
+    if args.types:
+        for p in args.types:
+            print_types(p)
+        return 0
+    if bad := [t for t in args.targets if t not in TARGETS + ["all"]]:
+        ap.error(f"unknown target {bad[0]!r} (known: {', '.join(TARGETS)}, all)")
+    if not args.targets or "all" in args.targets:
+        targets = TARGETS
+    else:
+        targets = [t for t in TARGETS if t in args.targets]
+    args.out.mkdir(parents=True, exist_ok=True)
+    source = args.source or default_gguf()
+    f16 = args.out / TINYLLAMA.format("f16")
+    jobs = {
+        "smollm2-q4km": (args.out / SMOLLM2_Q4KM,
+                         lambda d: quantize(source, d, "MOSTLY_Q4_K_M", args.threads)),
+        "tinyllama-f16": (f16,
+                          lambda d: write_random_llama(d, source, args.seed, **TINYLLAMA_SHAPE)),
+        "tinyllama-q4km": (args.out / TINYLLAMA.format("Q4_K_M"),
+                           lambda d: quantize(f16, d, "MOSTLY_Q4_K_M", args.threads)),
+        "tinyllama-q4_0": (args.out / TINYLLAMA.format("Q4_0"),
+                           lambda d: quantize(f16, d, "MOSTLY_Q4_0", args.threads)),
+    }
+    for name in targets:
+        dst, make = jobs[name]
+        if name.startswith("tinyllama-q") and not f16.exists():
+            print(f"{name} needs {f16}: run tinyllama-f16 first", file=sys.stderr)
+            return 1
+        if dst.exists() and not args.force:
+            print(f"{name}: {dst} exists (--force remakes it)")
+        else:
+            t = time.perf_counter()
+            print(f"{name}: making {dst} ...", flush=True)
+            make(dst)
+            print(f"{name}: {time.perf_counter() - t:.0f} s")
+        print_types(dst)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
