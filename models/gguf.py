@@ -448,7 +448,9 @@ class GGUFFile:
             return self.hf_tensor(hf)
         if len(t.shape) != 2:
             raise ModelFormatError(f"{self.path}: tensor {name} {list(t.np_shape)} is not a matrix")
-        w = to_quant(self.raw(name), t.tensor_type, t.shape[0])
+        raw = self.raw(name)
+        w = to_quant(raw, t.tensor_type, t.shape[0])
+        release_pages(raw)         # read once: the file's pages need not stay beside the copy
         heads = self._qk_heads(hf, name, t.shape[1])
         if heads is None:
             return w
