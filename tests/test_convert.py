@@ -117,3 +117,20 @@ def test_a_full_disk_gives_a_clean_error_and_leaves_nothing(tmp_path, monkeypatc
     with pytest.raises(TinyrtError, match=r"cannot write .*out: No space left on device"):
         convert(src, out, method=method)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "F32"])
+def test_quantizing_a_quantized_file_says_so_first(tmp_path, qtype):
+    """From a GGUF whose layers are quantized already, rtn/awq says, before it starts, that it
+    rounds them again and how to run the file instead; a float source hears nothing."""
+    cfg = tiny_config()
+    src = tmp_path / f"m.{qtype}.gguf"
+    write_gguf(src, cfg, random_weights(cfg), byte_level_tokenizer(cfg["vocab_size"]).to_str(),
+               qtype=qtype)
+    notices = []
+    out = convert(src, tmp_path / "q", method="rtn", group_size=32, notice=notices.append)
+    assert (out / "config.json").exists()
+    if qtype == "F32":
+        assert notices == []
+    else:
+        assert len(notices) == 1 and "Q4_0" in notices[0] and f"tinyrt chat {src}" in notices[0]
