@@ -47,9 +47,7 @@ def gguf_source(path: Path) -> Source:
     files = tokenizer_files(g)
     cfg = g.config()
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
-    types = {g.tensor_type(n).name for n in g.tensors if n.startswith("blk.")
-             and len(g.tensors[n].shape) == 2}
-    quantized = sorted(types - {"F32", "F16", "BF16"})
+    quantized = sorted(t.name for t in g.layer_types() if t.name not in ("F32", "F16", "BF16"))
     return Source(path, cfg, g.hf_shapes(), g.hf_tensor, files, gen or None, quantized)
 
 

@@ -153,7 +153,7 @@ def quantize_int8_rows(w: np.ndarray, block: int = 512) -> Int8Rows:
     return Int8Rows(q, s)
 
 
-# -- quantized linear --------------------------------------------------------------------------------
+# -- quantized linear ----------------------------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
 def quantize_pairs(x, block, xp, sx, xsum):
@@ -705,8 +705,9 @@ class CpuBackend(reference.ReferenceBackend):
         x = np.array(x, np.float32)
         bias = _NO_SCALES if layer.qkv_bias is None else layer.qkv_bias
         decode_layer(x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), layer.qkv,
-                     bias, layer.o, layer.gate_up, layer.down, _bits(kv.k), _bits(kv.v), kv.slots, np.ascontiguousarray(pos, np.int64),
-                     kv.k_pos, _scores(kv.score), cos, sin, cfg.num_attention_heads,
+                     bias, layer.o, layer.gate_up, layer.down, _bits(kv.k), _bits(kv.v), kv.slots,
+                     np.ascontiguousarray(pos, np.int64), kv.k_pos, _scores(kv.score), cos, sin,
+                     cfg.num_attention_heads,
                      np.float32(cfg.head_dim ** -0.5), cfg.sliding_window or 0, self.threads)
         return x
 

@@ -399,22 +399,31 @@ class GGUFFile:
         data = self._bytes[t.data_offset:t.data_offset + t.n_bytes]
         return data.reshape(rows, t.n_bytes // rows if rows else 0)
 
-    def tensor(self, name: str) -> np.ndarray:
-        """A GGUF tensor dequantized to float32 (float16 stays float16), numpy shape order."""
+    def rows(self, name: str, ids=slice(None)) -> np.ndarray:
+        """Rows `ids` of a tensor (every dimension but the innermost counted as rows) as float
+        [n, inner]: float32, float16 as stored, other types dequantized to float32."""
         from gguf.quants import dequantize
 
         t = self.tensors[name]
-        raw = self.raw(name)
+        raw = self.raw(name)[ids]
         if t.tensor_type == Q.F32:
-            return raw.view(np.float32).reshape(t.np_shape)
+            return raw.view(np.float32)
         if t.tensor_type == Q.F16:
-            return raw.view(np.float16).reshape(t.np_shape)
+            return raw.view(np.float16)
         try:
-            out = dequantize(raw, t.tensor_type)
+            return dequantize(raw, t.tensor_type).reshape(len(raw), t.shape[0])
         except NotImplementedError:
             raise ModelFormatError(f"{self.path}: tensor {name} has type {t.tensor_type.name}, "
                                    "which the gguf package cannot dequantize") from None
-        return out.reshape(t.np_shape)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A GGUF tensor dequantized to float32 (float16 stays float16), numpy shape order."""
+        return self.rows(name).reshape(self.tensors[name].np_shape)
+
+    def layer_types(self) -> set[GGMLQuantizationType]:
+        """The types of the decoder layers' matrices."""
+        return {t.tensor_type for n, t in self.tensors.items()
+                if n.startswith("blk.") and len(t.shape) == 2}
 
     def _qk_heads(self, hf: str, name: str, rows: int) -> int | None:
         """The number of heads whose rows llama.cpp permuted in this q/k tensor, or None."""
@@ -469,26 +478,13 @@ class GGUFRows:
     """A GGUF table [V, H] read a few rows at a time (the embedding): `table[ids]` -> float32
     rows, dequantized from the file's bytes as they are indexed; nothing else is held."""
 
-    dtype = np.dtype(np.float32)
-
     def __init__(self, gguf: GGUFFile, name: str):
+        self.file, self.name = gguf, name
         self.pages = gguf.raw(name)          # uint8 [V, bytes per row], a view of the file
-        self.qtype = gguf.tensor_type(name)
         self.shape = gguf.tensors[name].np_shape
 
     def __getitem__(self, ids) -> np.ndarray:
-        raw = self.pages[ids]
-        if self.qtype == Q.F32:
-            return raw.view(np.float32)
-        if self.qtype == Q.F16:
-            return raw.view(np.float16).astype(np.float32)
-        if self.qtype in GGUF_TO_QUANT:
-            from tinyrt.kernels.quant import dequantize
-
-            return dequantize(to_quant(raw, self.qtype, self.shape[1]))
-        from gguf.quants import dequantize
-
-        return dequantize(raw, self.qtype).reshape(len(raw), self.shape[1])
+        return self.file.rows(self.name, ids).astype(np.float32, copy=False)
 
 
 class GGUFWeights(ModelWeights):
@@ -511,9 +507,7 @@ class GGUFWeights(ModelWeights):
             if have[name] != shape:
                 raise ModelFormatError(f"{path}: tensor {g._gguf_names[name]!r} has shape "
                                        f"{list(have[name])}, its metadata needs {list(shape)}")
-        self._layer_types = {g.tensor_type(g._gguf_names[f"{m}.weight"])
-                             for m in family(cfg.model_type).model.linear_shapes(cfg)}
-        self._quantized = bool(self._layer_types & set(GGUF_TO_QUANT))
+        self._quantized = bool(g.layer_types() & set(GGUF_TO_QUANT))
         self.nbytes = g.path.stat().st_size
 
     def tensor(self, name: str) -> np.ndarray:

@@ -97,30 +97,6 @@ def extract_member(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
     return dest
 
 
-class ConvertProgress:
-    """A rich progress bar on stderr for a conversion."""
-
-    def __init__(self, description: str = "converting"):
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
-
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-                            transient=True)
-        self.task = None
-        self.description = description
-
-    def __call__(self, done: int, total: int, what: str) -> None:
-        if self.task is None:
-            self.bar.start()
-            self.task = self.bar.add_task(self.description, total=total)
-        self.bar.update(self.task, completed=done)
-
-    def close(self) -> None:
-        self.bar.stop()
-
-
 def pull(name: str | None = None, quiet: bool = False) -> Path:
     """Fetch a known model (default: the default model); returns its GGUF file."""
     key = ALIASES.get(name or DEFAULT_MODEL, name or DEFAULT_MODEL)

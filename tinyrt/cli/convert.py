@@ -38,10 +38,33 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 
+class ConvertProgress:
+    """A rich progress bar on stderr for a conversion."""
+
+    def __init__(self, description: str = "converting"):
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                            transient=True)
+        self.task = None
+        self.description = description
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if self.task is None:
+            self.bar.start()
+            self.task = self.bar.add_task(self.description, total=total)
+        self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
 def main(args: argparse.Namespace) -> int:
     from tinyrt.converters import convert
     from tinyrt.converters.conversion import bits_per_weight
-    from tinyrt.registry import ConvertProgress
 
     what = "layers" if args.method != "none" else "tensors"
     progress = ConvertProgress(f"{args.method} {Path(args.src).name} ({what})")
