@@ -411,13 +411,23 @@ def fmt(x, spec: str = ".1f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def table_head(*columns: str) -> list[str]:
+    """A markdown table's header: file and engine left-aligned, the figures right-aligned."""
+    return ["| " + " | ".join(columns) + " |", "|---|---|" + "---:|" * (len(columns) - 2)]
+
+
+def failed_row(f: str, name: str, error: str, columns: int, notes: list[str]) -> str:
+    """The row of an engine that gave no figures (its error goes to the notes)."""
+    notes.append(f"{f}: {name} failed: {error.splitlines()[0]}")
+    return f"| {f} | {name} | failed |" + " |" * (columns - 3)
+
+
 def speed_table(results: list[dict]) -> str:
     r0 = results[0]
     lines = [f"{r0['threads']} threads, {r0['prompt_tokens']}-token prompt, {r0['decode_tokens']} "
              f"greedy tokens, 4096-token context, medians of {r0['runs']} alternating rounds", "",
-             "| file | engine | prefill tok/s | TTFT s | decode tok/s | peak RSS MB "
-             "| weights MB/token (file) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             *table_head("file", "engine", "prefill tok/s", "TTFT s", "decode tok/s",
+                         "peak RSS MB", "weights MB/token (file)")]
     notes = []
     for r in results:
         f = Path(r["file"]).name
@@ -428,8 +438,7 @@ def speed_table(results: list[dict]) -> str:
                 notes.append(f"{f}: tinyrt holds {e['weight_ratio']:.1f}x the file's weight bytes: "
                              "it is not running the file's quantized tensors in place")
             if e.get("error") and not e.get("ttft_s"):
-                lines.append(f"| {f} | {name} | failed | | | | |")
-                notes.append(f"{f}: {name} failed: {e['error'].splitlines()[0]}")
+                lines.append(failed_row(f, name, e["error"], 7, notes))
                 continue
             if e.get("error"):
                 notes.append(f"{f}: {name} failed after {len(e['ttft_s'])} runs: {e['error']}")
@@ -484,16 +493,14 @@ def ppl_table(results: list[dict]) -> str:
     lines = [f"Perplexity of {Path(r0['text']).name}: non-overlapping windows of {r0['ctx']} "
              f"tokens from the start (at most {r0['windows']}), NLL of tokens 1..{r0['ctx'] - 1} "
              "of each", "",
-             "| file | engine | ppl | predicted tokens | windows | seconds | text tokens "
-             "| peak RSS MB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             *table_head("file", "engine", "ppl", "predicted tokens", "windows", "seconds",
+                         "text tokens", "peak RSS MB")]
     notes = []
     for r in results:
         f = Path(r["file"]).name
         for name, e in r["engines"].items():
             if "error" in e:
-                lines.append(f"| {f} | {name} | failed | | | | | |")
-                notes.append(f"{f}: {name} failed: {e['error'].splitlines()[0]}")
+                lines.append(failed_row(f, name, e["error"], 8, notes))
                 continue
             lines.append(f"| {f} | {name} | {e['ppl']:.4f} | {e['tokens']} | {e['windows']} | "
                          f"{e['seconds']:.0f} | {e['n_ids']} | "
