@@ -1,6 +1,6 @@
 """Cold and warm start of `tinyrt generate` on the default model, as a user meets them.
 
-Cold: an empty cache directory, so the run fetches the model with pip, converts it and loads it.
+Cold: an empty cache directory, so the run fetches the model with pip and loads it.
 Warm: the same cache again. Prints the median wall time of each over --runs runs, and the
 load/TTFT figures `generate --json` reports.
 
@@ -41,7 +41,7 @@ def main() -> None:
             loads.append(out["timings"]["load_s"])
             ttfts.append(out["timings"]["ttft_s"])
     print(f"reply: {out['text']!r}")
-    print(f"cold start (fetch + convert + load + reply): median {statistics.median(cold):.1f} s "
+    print(f"cold start (fetch + load + reply):          : median {statistics.median(cold):.1f} s "
           f"of {[round(x, 1) for x in cold]}")
     print(f"warm start (load + reply):                  median {statistics.median(warm):.1f} s "
           f"of {[round(x, 1) for x in warm]}")
