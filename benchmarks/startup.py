@@ -41,9 +41,9 @@ def main() -> None:
             loads.append(out["timings"]["load_s"])
             ttfts.append(out["timings"]["ttft_s"])
     print(f"reply: {out['text']!r}")
-    print(f"cold start (fetch + load + reply):          : median {statistics.median(cold):.1f} s "
+    print(f"cold start (fetch + load + reply):         median {statistics.median(cold):.1f} s "
           f"of {[round(x, 1) for x in cold]}")
-    print(f"warm start (load + reply):                  median {statistics.median(warm):.1f} s "
+    print(f"warm start (load + reply):                 median {statistics.median(warm):.1f} s "
           f"of {[round(x, 1) for x in warm]}")
     print(f"warm load_s median {statistics.median(loads):.2f} s, ttft median "
           f"{statistics.median(ttfts) * 1000:.0f} ms")
