@@ -36,7 +36,7 @@ def child(args) -> dict:
         for _ in range(args.reps):
             start = time.perf_counter()
             for w in ws:
-                cpu.q_gemv(x, w.w, w.s, w.m, w.bits, y, be.threads)
+                cpu.q_gemv(x, w, y, be.threads)
             times.append((time.perf_counter() - start) / len(ws))
         xp = np.random.default_rng(1).standard_normal((args.tokens, n_in)).astype(np.float32)
         be.linear(xp, ws[0])
@@ -46,7 +46,7 @@ def child(args) -> dict:
             be.linear(xp, ws[0])
             prompt.append(time.perf_counter() - start)
         gemv = statistics.median(times)
-        nbytes = ws[0].w.nbytes + ws[0].s.nbytes + ws[0].m.nbytes
+        nbytes = ws[0].nbytes
         rows[name] = {"shape": [n_out, n_in], "gemv_us": gemv * 1e6, "gw_s": n_out * n_in / gemv / 1e9,
                       "gb_s": nbytes / gemv / 1e9, "prompt_ms": statistics.median(prompt) * 1e3}
     return rows

@@ -73,9 +73,7 @@ def shapes(in_features: int, out_features: int, group_size: int) -> dict[str, tu
 
 def to_quant(layer: QuantizedLinear) -> quant.QuantWeight:
     """The layer in the runtime's one quantized form (kernels.quant): codes transposed to
-    [out, in], scale s, offset -z * s (exact in float32: an 11-bit significand times a 4-bit
-    integer)."""
-    s = layer.scales.astype(np.float32)                                # [in/g, out]
-    offset = -unpack(layer.qzeros).astype(np.float32) * s
-    return quant.make(np.ascontiguousarray(unpack(layer.qweight).T), 4,
-                      np.ascontiguousarray(s.T), np.ascontiguousarray(offset.T))
+    [out, in], scale s, offset -s with the zero point z as its integer sub-scale (m = -z s)."""
+    s = np.ascontiguousarray(layer.scales.T)                           # [out, in/g]
+    return quant.make(np.ascontiguousarray(unpack(layer.qweight).T), 4, s, -s,
+                      offset_q=np.ascontiguousarray(unpack(layer.qzeros).T))

@@ -67,19 +67,30 @@ def _prange_only() -> dict:
 
 
 class QLinear(NamedTuple):
-    """A quantized layer (kernels.quant) in pair-planar tiles of simd.LANES outputs (see simd),
-    the last tile padded with zero codes, scales and offsets; scales and offsets in tiles alike,
-    so a tile's codes, scales and offsets each lie in one piece."""
+    """A quantized layer (kernels.quant) in pair-planar tiles of simd.LANES outputs (see simd):
+    the codes' low 4 bits in one plane of tiles, their high bits - 4 bits (if any) in a
+    second; scales and offsets [tiles, n, LANES] in tiles alike, so a tile's codes, scales and
+    offsets each lie in one piece. The last tile is padded with zeros. Arrays a layer does not
+    have are empty ([tiles, 0, LANES])."""
 
-    w: np.ndarray        # int32 [tiles, in*bits/32, LANES]: output LANES k + j's codes in w[k, :, j]
-    s: np.ndarray        # [tiles, in/g, LANES] scales: float32, or float16 bits as uint16
-    m: np.ndarray        # [tiles, in/g, LANES] offsets, as s
+    lo: np.ndarray       # int32 [tiles, in/8, LANES]: output LANES k + j's low bits in lo[k, :, j]
+    hi: np.ndarray       # int32 [tiles, in*(bits-4)/32, LANES]: its high bits
+    s: np.ndarray        # [tiles, in/(k g), LANES] scales: float32, or float16 bits as uint16
+    sq: np.ndarray       # int8 [tiles, in/g, LANES] sub-scales, or empty
+    m: np.ndarray        # [tiles, in/(k' g), LANES] offsets, as s, or empty (m = -zero * s)
+    mq: np.ndarray       # int8 [tiles, in/g, LANES] offset sub-scales, or empty
+    zero: int
     bits: int
+    group: int           # inputs per group
     n_out: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n_out, 32 * self.w.shape[1] // self.bits    # (out, in), as a float weight
+        return self.n_out, 8 * self.lo.shape[1]    # (out, in), as a float weight
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.lo, self.hi, self.s, self.sq, self.m, self.mq))
 
 
 class Int8Rows(NamedTuple):
@@ -96,39 +107,57 @@ class Int8Rows(NamedTuple):
 # -- repacking, once at load ---------------------------------------------------------------------
 
 @njit(parallel=_prange_only(), cache=True)
-def _tile_codes(codes, bits, dst):
-    """Codes uint8 [out, in] (one per byte) of `bits` bits -> the pair-planar tiles dst int32
-    [tiles, in*bits/32, LANES] (zeroed; each output's lane written once)."""
+def _tile_codes(codes, shift, bits, dst):
+    """Bits shift .. shift+bits-1 of codes uint8 [out, in] (one per byte) -> the pair-planar
+    tiles dst int32 [tiles, in*bits/32, LANES] of those `bits`-bit values (zeroed; each
+    output's lane written once)."""
     out, n_in = codes.shape
     per = 32 // bits
+    mask = (1 << bits) - 1
     for o in prange(out):
         k, j = o // simd.LANES, o % simd.LANES
         for r in range(n_in // per):
             word = np.uint32(0)
             for t in range(per):
-                word |= np.uint32(codes[o, r * per + t]) << np.uint32(simd.pair_shift(t, bits))
+                value = (np.uint32(codes[o, r * per + t]) >> np.uint32(shift)) & np.uint32(mask)
+                word |= value << np.uint32(simd.pair_shift(t, bits))
             dst[k, r, j] = np.int32(word)
+
+
+def _planes_fit(bits: int, group: int) -> int:
+    """The fewest code bits >= `bits` whose high plane (bits - 4 bits, 32 / (bits - 4) inputs
+    per word) fills whole words within a group of `group` inputs."""
+    for b in quant.BITS:
+        if b >= bits and (b == 4 or group % (32 // (b - 4)) == 0) and group % 8 == 0:
+            return b
+    raise ValueError(f"groups of {group} inputs do not fill whole words of {bits}-bit codes")
 
 
 def repack(parts: list) -> QLinear:
     """Quantized layers (quant.QuantWeight) that share an input -> one QLinear (quant.concat
     gives the parts a common form first, exactly)."""
     w = quant.concat(parts)
-    (out, n_in), bits = w.shape, w.bits
-    if w.group_size % (32 // bits) or w.group_size % 2:
-        raise ValueError(f"groups of {w.group_size} inputs do not fill whole words of "
-                         f"{bits}-bit codes")
+    (out, n_in), g = w.shape, w.group_size
+    bits = _planes_fit(w.bits, g)
     tiles = -(-out // simd.LANES)
-    dst = np.zeros((tiles, n_in * bits // 32, simd.LANES), np.int32)
-    _tile_codes(quant.unpack(w), bits, dst)
+    codes = quant.unpack(w)
+    planes = []
+    for shift, b in ((0, 4), (4, bits - 4)):
+        dst = np.zeros((tiles, n_in * b // 32, simd.LANES), np.int32)
+        if b:
+            _tile_codes(codes, shift, b, dst)
+        planes.append(dst)
+    floats = [a for a in (w.scale, w.offset) if a is not None]
+    dtype = np.result_type(*floats)          # one float type for both: fewer compiled variants
 
-    def in_tiles(a):                    # [out, in/g] -> [tiles, in/g, LANES], zeros after out
-        padded = np.zeros((tiles * simd.LANES, a.shape[1]), a.dtype)
-        padded[:out] = a
+    def in_tiles(a, dtype):       # [out, n] -> [tiles, n, LANES], zeros after out; None: empty
+        padded = np.zeros((tiles * simd.LANES, 0 if a is None else a.shape[1]), dtype)
+        padded[:out] = 0 if a is None else a
         t = np.ascontiguousarray(padded.reshape(tiles, simd.LANES, -1).transpose(0, 2, 1))
         return t.view(np.uint16) if t.dtype == np.float16 else t
 
-    return QLinear(dst, in_tiles(w.scale), in_tiles(w.offset), bits, out)
+    return QLinear(*planes, in_tiles(w.scale, dtype), in_tiles(w.scale_q, np.int8),
+                   in_tiles(w.offset, dtype), in_tiles(w.offset_q, np.int8), w.zero, bits, g, out)
 
 
 @njit(parallel=_prange_only(), cache=True, error_model="numpy")
@@ -177,65 +206,93 @@ def quantize_pairs(x, block, xp, sx, xsum):
 
 
 @njit(fastmath=True, cache=True)
-def _q_tiles(xp, sx, xsum, w, s, m, bits, y, k0, k1):
-    """Tiles k0 .. k1-1 of the GEMV of a quantized layer (pair-planar tiles) for T tokens'
-    activations xp, sx, xsum [T, ...] (from quantize_pairs) into y [T, out] (simd.tile_dot4 /
-    tile_dot8). A tile stays in the L1 cache from one token to the next; each token's outputs
-    are the same sums in the same order whatever T."""
+def _q_tiles(xp, sx, xsum, w, y, k0, k1):
+    """Tiles k0 .. k1-1 of the GEMV of a QLinear w for T tokens' activations xp, sx, xsum
+    [T, ...] (from quantize_pairs) into y [T, out] (simd.tile_dot4 ... tile_dot8). A tile stays
+    in the L1 cache from one token to the next; each token's outputs are the same sums in the
+    same order whatever T."""
     T, n_out = y.shape
     out = np.empty(simd.LANES, np.float32)
     for k in range(k0, k1):
         c0 = k * simd.LANES
         n = min(simd.LANES, n_out - c0)
         for t in range(T):
-            if bits == 4:
-                simd.tile_dot4(w, k, xp, sx, xsum, s, m, t, out)
+            if w.bits == 4:
+                simd.tile_dot4(w, k, xp, sx, xsum, t, out)
+            elif w.bits == 5:
+                simd.tile_dot5(w, k, xp, sx, xsum, t, out)
+            elif w.bits == 6:
+                simd.tile_dot6(w, k, xp, sx, xsum, t, out)
             else:
-                simd.tile_dot8(w, k, xp, sx, xsum, s, m, t, out)
+                simd.tile_dot8(w, k, xp, sx, xsum, t, out)
             for j in range(n):
                 y[t, c0 + j] = out[j]
 
 
 @njit(parallel=_prange_only(), cache=True)
-def q_gemv(x, w, s, m, bits, y, threads):
-    """y [T, out] = x [T, in] @ W.T for a few tokens and a quantized layer in pair-planar tiles
-    (QLinear's arrays). The activations are quantized to int16 in blocks of at most X_BLOCK
-    inputs (a block never spans two quantization groups: its size divides the group size), so
-    the inner loop is integer pairwise multiply-adds (simd); `threads` tasks take runs of tiles,
-    each read from memory once for all the tokens."""
+def q_gemv(x, w, y, threads):
+    """y [T, out] = x [T, in] @ W.T for a few tokens and a QLinear w. The activations are
+    quantized to int16 in blocks of at most X_BLOCK inputs (a block never spans two
+    quantization groups: its size divides the group size), so the inner loop is integer
+    pairwise multiply-adds (simd); `threads` tasks take runs of tiles, each read from memory
+    once for all the tokens."""
     T, n_in = x.shape
-    block = math.gcd(n_in // s.shape[1], X_BLOCK)
+    block = math.gcd(w.group, X_BLOCK)
     xp = np.empty((T, n_in // 2), np.int32)
     sx = np.empty((T, n_in // block), np.float32)
     xsum = np.empty((T, n_in // block), np.float32)
     for t in range(T):
         quantize_pairs(x[t], block, xp[t], sx[t], xsum[t])
-    tiles = w.shape[0]
+    tiles = w.lo.shape[0]
     tasks = max(1, min(threads, tiles))
     step = (tiles + tasks - 1) // tasks
     for task in prange(tasks):
-        _q_tiles(xp, sx, xsum, w, s, m, bits, y, task * step, min(tiles, task * step + step))
+        _q_tiles(xp, sx, xsum, w, y, task * step, min(tiles, task * step + step))
 
 
 @njit(fastmath=True, cache=True)
-def q_dequantize(w, s, m, bits, c0, c1, dst):
-    """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a quantized layer in pair-planar
-    tiles, c0 a multiple of LANES. On one thread, on purpose: BLAS runs next, and OpenMP workers
-    left spinning by a parallel loop would take its cores for milliseconds, slowing every prompt
-    GEMM several times over."""
-    per = 32 // bits
-    g = per * w.shape[1] // s.shape[1]
-    mask = (1 << bits) - 1
-    for r in range(w.shape[1]):
-        for t in range(per):
-            i, shift = per * r + t, simd.pair_shift(t, bits)
-            for k in range(c0 // simd.LANES, (c1 + simd.LANES - 1) // simd.LANES):
-                words, scales, offsets = w[k, r], s[k, i // g], m[k, i // g]
-                n = min(simd.LANES, c1 - k * simd.LANES)
+def _group_scales(w, k, gi, s, m):
+    """s, m float32 [LANES] = the scales and offsets of group gi of tile k of a QLinear w."""
+    groups = w.lo.shape[1] * 8 // w.group
+    s_div, m_div = groups // w.s.shape[1], groups // max(1, w.m.shape[1])
+    for j in range(simd.LANES):
+        s[j] = simd.as_float(w.s[k, gi // s_div, j])
+        if w.sq.shape[1]:
+            s[j] *= np.float32(w.sq[k, gi, j])
+        if w.m.shape[1]:
+            m[j] = simd.as_float(w.m[k, gi // m_div, j])
+            if w.mq.shape[1]:
+                m[j] *= np.float32(w.mq[k, gi, j])
+        else:
+            m[j] = -np.float32(w.zero) * s[j]
+
+
+@njit(fastmath=True, cache=True)
+def q_dequantize(w, c0, c1, dst):
+    """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a QLinear w, c0 a multiple of
+    LANES. On one thread, on purpose: BLAS runs next, and OpenMP workers left spinning by a
+    parallel loop would take its cores for milliseconds, slowing every prompt GEMM several
+    times over."""
+    high = w.bits - 4
+    per = 32 // high if high else 32
+    hmask = (1 << high) - 1
+    s = np.empty(simd.LANES, np.float32)
+    m = np.empty(simd.LANES, np.float32)
+    for k in range(c0 // simd.LANES, (c1 + simd.LANES - 1) // simd.LANES):
+        n = min(simd.LANES, c1 - k * simd.LANES)
+        for gi in range(w.lo.shape[1] * 8 // w.group):
+            _group_scales(w, k, gi, s, m)
+            for i in range(gi * w.group, (gi + 1) * w.group):
+                lo, shift = w.lo[k, i // 8], simd.pair_shift(i % 8, 4)
                 row = dst[i, k * simd.LANES - c0:]    # views: indices from range() need no
-                for j in range(n):                     # wraparound check, which would keep the
-                    row[j] = np.float32((words[j] >> shift) & mask) \
-                        * simd.as_float(scales[j]) + simd.as_float(offsets[j])   # loop from vectorizing
+                if high:                               # wraparound check, which would keep the
+                    hi, hshift = w.hi[k, i // per], simd.pair_shift(i % per, high)   # loop from
+                    for j in range(n):                                                # vectorizing
+                        code = ((lo[j] >> shift) & 15) | (((hi[j] >> hshift) & hmask) << 4)
+                        row[j] = np.float32(code) * s[j] + m[j]
+                else:
+                    for j in range(n):
+                        row[j] = np.float32((lo[j] >> shift) & 15) * s[j] + m[j]
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
@@ -576,12 +633,6 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, score=None, bloc
 # -- one decoder layer for one token, fused ------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
-def _linear(x, w, y, threads):
-    """y [T, out] = x [T, in] @ W.T for a QLinear w (q_gemv)."""
-    q_gemv(x, w.w, w.s, w.m, w.bits, y, threads)
-
-
-@njit(fastmath=True, cache=True)
 def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
                  k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
     """A few tokens x [T, H] (a decode step, a draft's verification) through one decoder layer
@@ -595,7 +646,7 @@ def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
     G, D = k_buf.shape[0], k_buf.shape[2]
     Qd, Gd = n_heads * D, G * D
     qkv_out = np.empty((T, Qd + 2 * Gd), np.float32)
-    _linear(rmsnorm(x, in_norm, eps), qkv, qkv_out, threads)
+    q_gemv(rmsnorm(x, in_norm, eps), qkv, qkv_out, threads)
     if qkv_b.shape[0]:
         for t in range(T):
             qkv_out[t] += qkv_b
@@ -604,15 +655,15 @@ def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
     store_kv(k_buf, v_buf, slots, k, np.ascontiguousarray(qkv_out[:, Qd + Gd:]).reshape(T, G, D))
     a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads, score)
     y = np.empty((T, H), np.float32)
-    _linear(a.reshape(T, Qd), o, y, threads)
+    q_gemv(a.reshape(T, Qd), o, y, threads)
     x += y
-    n_inner = down.w.shape[1] * 32 // down.bits
+    n_inner = down.lo.shape[1] * 8
     gu = np.empty((T, 2 * n_inner), np.float32)
-    _linear(rmsnorm(x, post_norm, eps), gate_up, gu, threads)
+    q_gemv(rmsnorm(x, post_norm, eps), gate_up, gu, threads)
     act = np.empty((T, n_inner), np.float32)
     for t in range(T):
         _swiglu_row(gu[t], act[t])
-    _linear(act, down, y, threads)
+    q_gemv(act, down, y, threads)
     x += y
 
 
@@ -670,7 +721,7 @@ class CpuBackend(reference.ReferenceBackend):
             c1 = min(n_out, c0 + cols)
             dst = self._scratch[:n_in * (c1 - c0)].reshape(n_in, c1 - c0)
             if isinstance(w, QLinear):
-                q_dequantize(w.w, w.s, w.m, w.bits, c0, c1, dst)
+                q_dequantize(w, c0, c1, dst)
             else:
                 int8_dequantize(w.q, w.s, c0, c1, dst)
             tiles.append(x @ dst)
@@ -691,7 +742,7 @@ class CpuBackend(reference.ReferenceBackend):
         if isinstance(w, Int8Rows):
             gemv_rows(x, w.q, w.s, y, self.threads)
         else:
-            q_gemv(x, w.w, w.s, w.m, w.bits, y, self.threads)
+            q_gemv(x, w, y, self.threads)
         return y
 
     def fused_decode(self, layer, tokens: int) -> bool:

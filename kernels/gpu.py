@@ -333,7 +333,9 @@ class CudaBackend(reference.ReferenceBackend):
 
     def prepare_linear(self, parts: list):
         if all(isinstance(p, quant.QuantWeight) for p in parts):
+            # one float scale and offset per group, 4- or 8-bit codes: the kernels' one layout
             w = quant.concat(parts)
+            w = quant.flat(w, 4 if w.bits == 4 else 8)
             if w.shape[1] % (32 // w.bits):
                 raise ValueError(f"{w.shape[1]} inputs do not fill whole words of {w.bits}-bit codes")
             return GpuQuant(self.dev(np.ascontiguousarray(w.codes).view(np.int32), np.int32),

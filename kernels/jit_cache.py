@@ -5,20 +5,47 @@ Every kernel compiles with cache=True: Numba keeps its machine code in files bes
 a process killed while writing it) or damaged otherwise would make that read raise, and every
 start after it fail. `guard()` makes such a file a cache miss: it is removed, the kernel compiles
 again and its cache is written anew, with a warning. A stale cache (the sources changed since)
-Numba detects itself, by the sources' timestamps and sizes, and compiles again.
+Numba detects by the timestamp and size of the kernel's own file; a kernel here also compiles in
+code from the other files of this directory (simd's intrinsics), so `guard()` makes every
+file of the directory part of the stamp: an upgrade that changes only simd.py compiles again.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 from numba.core import caching
 
 
+HERE = Path(__file__).resolve().parent
+
+
+def _stamp_sources() -> None:
+    """Numba's stamp of a kernel's source file, for a file of this directory, with the
+    timestamps and sizes of all its files."""
+    mixin = getattr(caching, "_SourceFileBackedLocatorMixin", None)
+    if mixin is None or getattr(mixin, "_tinyrt_guarded", False) or \
+            not callable(getattr(mixin, "get_source_stamp", None)):
+        return
+    own = mixin.get_source_stamp
+
+    def get_source_stamp(self):
+        stamp = own(self)
+        if Path(getattr(self, "_py_file", "")).resolve().parent != HERE:
+            return stamp
+        files = sorted(HERE.glob("*.py"))
+        return stamp, tuple((f.name, f.stat().st_mtime, f.stat().st_size) for f in files)
+
+    mixin.get_source_stamp, mixin._tinyrt_guarded = get_source_stamp, True
+
+
 def guard() -> None:
-    """Make a damaged cache file a cache miss (idempotent). A Numba whose cache reads files
-    otherwise (these are its internals) is left as it is."""
+    """Make a damaged cache file a cache miss, and the cache of a kernel here stale when any
+    file of this directory changed (idempotent). A Numba whose cache reads files otherwise
+    (these are its internals) is left as it is."""
+    _stamp_sources()
     cls = getattr(caching, "IndexDataCacheFile", None)
     if cls is None or getattr(cls, "_tinyrt_guarded", False) or not all(
             callable(getattr(cls, name, None)) for name in ("_load_index", "_load_data")):

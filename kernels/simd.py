@@ -55,13 +55,15 @@ def _prefetch(builder, address):
     builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
-def _pair_sums(context, builder, bits, w_ptr, r0, r1, xp_ptr):
-    """IR: the int32 vector [LANES] of sums over word rows r in [r0, r1) and m < P = 16 / bits of
-    lo(w[r, j] >> bits m) * lo(xp[P r + m]) + hi(w[r, j] >> bits m) * hi(xp[P r + m]) (lo and
-    hi: the 16-bit halves, codes masked to `bits` bits), w_ptr pointing at the tile's row 0
-    (int32 [rows, LANES]), xp_ptr at the token's pairs (int32 [in/2]). Each row's load asks for
-    the memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the hardware's
-    prefetch alone leaves it waiting on memory (measured: 0.7x the time with it)."""
+def _pair_sums(context, builder, planes, xp_ptr):
+    """IR: the int32 vector [LANES] of sums, over the code planes (w_ptr, bits, r0, r1, up) and
+    their word rows r in [r0, r1) and m < P = 16 / bits, of
+    lo(c) * lo(xp[P r + m]) + hi(c) * hi(xp[P r + m]), c = ((w[r, j] >> bits m) & mask) << up
+    (lo and hi: the 16-bit halves, mask keeping `bits` bits of each), w_ptr pointing at the
+    tile's row 0 (int32 [rows, LANES]), xp_ptr at the token's pairs (int32 [in/2]): the codes'
+    planes, each shifted to its place in the code, in one sum. Each row's load asks for the
+    memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the hardware's prefetch
+    alone leaves it waiting on memory (measured: 0.7x the time with it)."""
     intp = context.get_value_type(types.intp)
     i8, i32 = ir.IntType(8), ir.IntType(32)
     vec = ir.VectorType(i32, LANES)                      # 16 x i32: one lane per output
@@ -69,32 +71,40 @@ def _pair_sums(context, builder, bits, w_ptr, r0, r1, xp_ptr):
     wide = ir.VectorType(i32, 2 * LANES)
     even = ir.Constant(vec, list(range(0, 2 * LANES, 2)))
     odd = ir.Constant(vec, list(range(1, 2 * LANES, 2)))
-    pairs = 16 // bits
-    mask = ir.Constant(vec, [((1 << bits) - 1) * 0x10001] * LANES)
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(pairs)]
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
     for acc in accs:
         builder.store(ir.Constant(vec, None), acc)
 
     def const(v):
         return ir.Constant(intp, v)
 
-    with cgutils.for_range(builder, r1, start=r0) as row:
-        r = row.index
-        ptr = builder.gep(w_ptr, [builder.mul(r, const(LANES))])
-        words = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
-        _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
-                                       [const(PREFETCH_BYTES)]))
-        for m, acc in enumerate(accs):
-            pair = builder.load(builder.gep(xp_ptr, [builder.add(builder.mul(r, const(pairs)),
-                                                                 const(m))]))
-            x = _splat(builder, pair)
-            codes = words if m == 0 else builder.lshr(words, ir.Constant(vec, [bits * m] * LANES))
-            codes = builder.and_(codes, mask)
-            prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
-                               builder.sext(builder.bitcast(x, halves), wide))
-            undef = ir.Constant(wide, ir.Undefined)
-            total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
-            builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
+    def splat32(v):
+        return ir.Constant(vec, [v] * LANES)
+
+    for w_ptr, bits, r0, r1, up in planes:
+        pairs = 16 // bits
+        mask = splat32((((1 << bits) - 1) * 0x10001) << up)
+        with cgutils.for_range(builder, r1, start=r0) as row:
+            r = row.index
+            ptr = builder.gep(w_ptr, [builder.mul(r, const(LANES))])
+            words = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+            _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
+                                           [const(PREFETCH_BYTES)]))
+            for m in range(pairs):
+                acc = accs[m % len(accs)]
+                pair = builder.load(builder.gep(xp_ptr, [builder.add(builder.mul(r, const(pairs)),
+                                                                     const(m))]))
+                x = _splat(builder, pair)
+                shift = bits * m - up                  # the code's bits m .. to bit `up`
+                codes = words if shift == 0 else (
+                    builder.lshr(words, splat32(shift)) if shift > 0
+                    else builder.shl(words, splat32(-shift)))
+                codes = builder.and_(codes, mask)
+                prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
+                                   builder.sext(builder.bitcast(x, halves), wide))
+                undef = ir.Constant(wide, ir.Undefined)
+                total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
+                builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
     a = [builder.load(acc) for acc in accs]
     while len(a) > 1:
         a = [builder.add(a[i], a[i + 1]) for i in range(0, len(a), 2)]
@@ -111,62 +121,126 @@ def _float_vector(builder, ptr, array_type):
     return builder.fpext(v, ir.VectorType(ir.FloatType(), LANES)) if half else v
 
 
+def _int8_vector(builder, ptr):
+    """IR: the LANES int8 at ptr as a float32 vector."""
+    v = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(8), LANES).as_pointer()),
+                     align=1)
+    return builder.sitofp(v, ir.VectorType(ir.FloatType(), LANES))
+
+
 def _tile_dot(bits: int):
-    """The intrinsic tile_dot{bits}(w, k, xp, sx, xsum, s, m, t, out) for layers of `bits`-bit
-    codes: out[j] (float32, j < LANES) = output LANES k + j of the layer for token t, the sum
-    over activation blocks b (in quantization group gi) of
-        s[k, gi, j] * sx[t, b] * (integer dot of the block's codes and x_q)  +  m[k, gi, j] * xsum[t, b]
-    w int32 [tiles, in*bits/32, LANES] (pair-planar tiles), s and m [tiles, in/g, LANES] the
-    scales and offsets (float32, or float16 bits as uint16); xp int32 [T, in/2], sx and xsum
-    float32 [T, blocks] (quantize_pairs). The integer dot is pairwise multiply-adds of 16-bit
-    codes and activations, 32 per instruction (x86 pmaddwd or vpdpwssd, Arm smull + addp); the
-    per-block scaling is vector arithmetic on the LANES outputs, which stay in a register from
-    the first block to the last."""
+    """The intrinsic tile_dot{bits}(w, k, xp, sx, xsum, t, out) for a layer w (kernels.cpu
+    QLinear) of `bits`-bit codes: out[j] (float32, j < LANES) = output LANES k + j of the layer
+    for token t, the sum over activation blocks b (in quantization group gi) of
+        s[gi, j] * sx[t, b] * (integer dot of the block's codes and x_q)  +  m[gi, j] * xsum[t, b]
+    xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs). The integer dot is
+    pairwise multiply-adds of 16-bit codes and activations, 32 per instruction (x86 pmaddwd or
+    vpdpwssd, Arm smull + addp): over the 4-bit plane of the codes' low bits, plus 16 times the
+    same over the plane of their high bits-4 bits. A group's s and m are computed from the
+    tile's scale and offset arrays as kernels.quant defines them (a float times an optional
+    int8; no offset array: m = -zero s), the arrays a layer lacks being empty (branches that
+    go the same way for a whole layer). The LANES outputs stay in a register from the first
+    block to the last."""
+    high = bits - 4
 
     @intrinsic
-    def tile_dot(typingctx, w, k, xp, sx, xsum, s, m, t, out):
-        sig = types.void(w, k, xp, sx, xsum, s, m, t, out)
+    def tile_dot(typingctx, w, k, xp, sx, xsum, t, out):
+        sig = types.void(w, k, xp, sx, xsum, t, out)
 
         def codegen(context, builder, signature, args):
-            w_ty, k_ty, xp_ty, sx_ty, xsum_ty, s_ty, m_ty, t_ty, out_ty = signature.args
+            w_ty, k_ty, xp_ty, sx_ty, xsum_ty, t_ty, out_ty = signature.args
             intp = context.get_value_type(types.intp)
             kv, tv = (context.cast(builder, v, ty, types.intp)
-                      for v, ty in ((args[1], k_ty), (args[7], t_ty)))
+                      for v, ty in ((args[1], k_ty), (args[5], t_ty)))
             fvec = ir.VectorType(ir.FloatType(), LANES)
+            fast = ["fast"]
 
             def const(v):
                 return ir.Constant(intp, v)
 
-            def pointer(ty, arr, *index):
-                a = context.make_array(ty)(context, builder, arr)
+            field = {name: (builder.extract_value(args[0], i), w_ty.types[i])
+                     for i, name in enumerate(w_ty.fields)}
+
+            def pointer(name, *index):
+                value, ty = field[name] if isinstance(name, str) else name
+                a = context.make_array(ty)(context, builder, value)
                 return cgutils.get_item_pointer(context, builder, ty, a, list(index))
 
-            w_arr = context.make_array(w_ty)(context, builder, args[0])
-            s_arr = context.make_array(s_ty)(context, builder, args[5])
-            sx_arr = context.make_array(sx_ty)(context, builder, args[3])
-            n_rows = builder.extract_value(w_arr.shape, 1)
-            n_groups = builder.extract_value(s_arr.shape, 1)
-            n_blocks = builder.extract_value(sx_arr.shape, 1)
-            rows = builder.udiv(n_rows, n_blocks)                   # word rows per block
-            per_group = builder.udiv(n_blocks, n_groups)
-            w_ptr = pointer(w_ty, args[0], kv, const(0), const(0))
-            xp_ptr = pointer(xp_ty, args[2], tv, const(0))
+            def dim(name, axis):
+                value, ty = field[name]
+                return builder.extract_value(context.make_array(ty)(context, builder, value).shape,
+                                             axis)
+
+            n_blocks = builder.extract_value(
+                context.make_array(sx_ty)(context, builder, args[3]).shape, 1)
+            lo_rows = builder.udiv(dim("lo", 1), n_blocks)            # word rows per block
+            hi_rows = builder.udiv(dim("hi", 1), n_blocks)
+            group = context.cast(builder, field["group"][0], field["group"][1], types.intp)
+            groups = builder.udiv(builder.mul(dim("lo", 1), const(8)), group)
+            per_group = builder.udiv(n_blocks, groups)
+            s_div = builder.udiv(groups, dim("s", 1))
+            n_m = dim("m", 1)
+            m_div = builder.udiv(groups, builder.select(
+                builder.icmp_unsigned("==", n_m, const(0)), const(1), n_m))
+            has = {name: builder.icmp_unsigned("!=", dim(name, 1), const(0))
+                   for name in ("sq", "m", "mq")}
+            zero = context.cast(builder, field["zero"][0], field["zero"][1], types.float32)
+            minus_zero = _splat(builder, builder.fsub(ir.Constant(ir.FloatType(), 0.0), zero))
+            lo_ptr = pointer("lo", kv, const(0), const(0))
+            hi_ptr = pointer("hi", kv, const(0), const(0)) if high else None
+            xp_ptr = pointer((args[2], xp_ty), tv, const(0))
             total = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
-            fast = ["fast"]
+            s_acc = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
+            m_acc = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
+            # where block b falls: group gi, scale block si, offset block mi, each with the
+            # count of blocks (groups) it has been in so far (no division in the loop)
+            at = {name: cgutils.alloca_once_value(builder, const(0))
+                  for name in ("gi", "in_g", "si", "in_s", "mi", "in_m")}
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
-                r0 = builder.mul(b, rows)
-                dots = _pair_sums(context, builder, bits, w_ptr, r0, builder.add(r0, rows), xp_ptr)
-                gi = builder.udiv(b, per_group)
-                scales = _float_vector(builder, pointer(s_ty, args[5], kv, gi, const(0)), s_ty)
-                offsets = _float_vector(builder, pointer(m_ty, args[6], kv, gi, const(0)), m_ty)
-                f = _splat(builder, builder.load(pointer(sx_ty, args[3], tv, b)))
-                xs = _splat(builder, builder.load(pointer(xsum_ty, args[4], tv, b)))
+                r0 = builder.mul(b, lo_rows)
+                planes = [(lo_ptr, 4, r0, builder.add(r0, lo_rows), 0)]
+                if high:
+                    h0 = builder.mul(b, hi_rows)
+                    planes.append((hi_ptr, high, h0, builder.add(h0, hi_rows), 4))
+                dots = _pair_sums(context, builder, planes, xp_ptr)
+                gi, si, mi = (builder.load(at[name]) for name in ("gi", "si", "mi"))
+                builder.store(_float_vector(builder, pointer("s", kv, si, const(0)),
+                                            field["s"][1]), s_acc)
+                with builder.if_then(has["sq"]):
+                    sub = _int8_vector(builder, pointer("sq", kv, gi, const(0)))
+                    builder.store(builder.fmul(builder.load(s_acc), sub, flags=fast), s_acc)
+                scales = builder.load(s_acc)
+                with builder.if_else(has["m"]) as (offsets, symmetric):
+                    with offsets:
+                        m = _float_vector(builder, pointer("m", kv, mi, const(0)), field["m"][1])
+                        builder.store(m, m_acc)
+                        with builder.if_then(has["mq"]):
+                            sub = _int8_vector(builder, pointer("mq", kv, gi, const(0)))
+                            builder.store(builder.fmul(builder.load(m_acc), sub, flags=fast),
+                                          m_acc)
+                    with symmetric:
+                        builder.store(builder.fmul(scales, minus_zero, flags=fast), m_acc)
+                offsets = builder.load(m_acc)
+                f = _splat(builder, builder.load(pointer((args[3], sx_ty), tv, b)))
+                xs = _splat(builder, builder.load(pointer((args[4], xsum_ty), tv, b)))
                 part = builder.fmul(scales, builder.fmul(f, builder.sitofp(dots, fvec), flags=fast),
                                     flags=fast)
                 part = builder.fadd(part, builder.fmul(offsets, xs, flags=fast), flags=fast)
                 builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
-            out_ptr = pointer(out_ty, args[8], const(0))
+
+                def step(index, count, size, by):    # count += by; at size: index += 1, count = 0
+                    n = builder.add(builder.load(at[count]), by)
+                    full = builder.icmp_unsigned("==", n, size)
+                    builder.store(builder.select(full, const(0), n), at[count])
+                    builder.store(builder.add(builder.load(at[index]), builder.zext(full, intp)),
+                                  at[index])
+                    return builder.zext(full, intp)
+
+                next_group = step("gi", "in_g", per_group, const(1))
+                step("si", "in_s", s_div, next_group)
+                step("mi", "in_m", m_div, next_group)
+            out_ptr = pointer((args[6], out_ty), const(0))
             builder.store(builder.load(total), builder.bitcast(out_ptr, fvec.as_pointer()), align=4)
             return context.get_dummy_value()
 
@@ -176,6 +250,8 @@ def _tile_dot(bits: int):
 
 
 tile_dot4 = _tile_dot(4)
+tile_dot5 = _tile_dot(5)
+tile_dot6 = _tile_dot(6)
 tile_dot8 = _tile_dot(8)
 
 

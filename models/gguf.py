@@ -463,8 +463,7 @@ class GGUFFile:
         heads = self._qk_heads(hf, name, t.shape[1])
         if heads is None:
             return w
-        return QuantWeight(unpermute(w.codes, heads), unpermute(w.scale, heads),
-                           unpermute(w.offset, heads), w.bits)
+        return w.rows(unpermute(np.arange(w.shape[0]), heads))
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         return {hf_name(n): t.np_shape for n, t in self.tensors.items() if hf_name(n)}

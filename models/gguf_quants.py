@@ -1,6 +1,6 @@
 """GGUF (llama.cpp) quantized blocks -> the runtime's one quantized form (`kernels.quant`),
-exactly: codes are copied bit for bit, and each block's scale and offset are computed once in
-float32, where every one of them is exact (a float16 times a small integer). The table at the top
+exactly: codes are copied bit for bit, each block's float16 scale (and min) kept as it is, the
+K-quants' integer sub-block scales as integers beside them. The table at the top
 of kernels/quant.py lists the mapping; the block layouts are ggml's (ggml-common.h), documented
 below where each is decoded.
 
@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from tinyrt.kernels.quant import QuantWeight, exact_floats, make
+from tinyrt.kernels.quant import QuantWeight, make
 
 QK_K = 256  # values in a K-quant super-block
 
@@ -53,13 +53,6 @@ def _pack_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([(even & 15) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
 
 
-def _quant4(packed: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> QuantWeight:
-    """A 4-bit QuantWeight from codes already packed [rows, in/2] (float32 scale and offset)."""
-    s, m = exact_floats(scale, offset)
-    return QuantWeight(np.ascontiguousarray(packed), np.ascontiguousarray(s),
-                       np.ascontiguousarray(m), 4)
-
-
 def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K's 12 bytes of 6-bit sub-block scales and mins [..., 12] -> (scales, mins),
     uint8 [..., 8] each. Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; the
@@ -78,17 +71,16 @@ def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def q4_0(raw: np.ndarray) -> QuantWeight:
     """block_q4_0, 32 values in 18 bytes: d f16 | qs[16]. Value j (j < 16) is the low nibble of
-    qs[j], value j + 16 its high nibble; w = d * (q - 8) -> scale d, offset -8 d."""
+    qs[j], value j + 16 its high nibble; w = d * (q - 8) -> scale d, zero 8."""
     b = _blocks(raw, Q.Q4_0)
-    d = _f16(b, 0)
-    return _quant4(_flat(_pack_nibbles(b[..., 2:18])), d, -8 * d)
+    return make(_flat(_pack_nibbles(b[..., 2:18])), 4, _f16(b, 0), zero=8, packed=True)
 
 
 def q4_1(raw: np.ndarray) -> QuantWeight:
     """block_q4_1, 32 values in 20 bytes: d f16 | m f16 | qs[16], nibbles as Q4_0;
     w = d * q + m -> scale d, offset m."""
     b = _blocks(raw, Q.Q4_1)
-    return _quant4(_flat(_pack_nibbles(b[..., 4:20])), _f16(b, 0), _f16(b, 2))
+    return make(_flat(_pack_nibbles(b[..., 4:20])), 4, _f16(b, 0), _f16(b, 2), packed=True)
 
 
 def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -99,35 +91,31 @@ def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def q5_0(raw: np.ndarray) -> QuantWeight:
-    """block_q5_0, 32 values in 22 bytes: d f16 | qh[4] | qs[16]; w = d * (q - 16) -> scale d,
-    offset -16 d (8-bit codes 0..31)."""
+    """block_q5_0, 32 values in 22 bytes: d f16 | qh[4] | qs[16]; w = d * (q - 16) -> 5-bit
+    codes, scale d, zero 16."""
     b = _blocks(raw, Q.Q5_0)
-    d = _f16(b, 0)
-    return make(_flat(_q5_codes(b[..., 2:6], b[..., 6:22])), 8, d, -16 * d)
+    return make(_flat(_q5_codes(b[..., 2:6], b[..., 6:22])), 5, _f16(b, 0), zero=16)
 
 
 def q5_1(raw: np.ndarray) -> QuantWeight:
     """block_q5_1, 32 values in 24 bytes: d f16 | m f16 | qh[4] | qs[16]; w = d * q + m."""
     b = _blocks(raw, Q.Q5_1)
-    return make(_flat(_q5_codes(b[..., 4:8], b[..., 8:24])), 8, _f16(b, 0), _f16(b, 2))
+    return make(_flat(_q5_codes(b[..., 4:8], b[..., 8:24])), 5, _f16(b, 0), _f16(b, 2))
 
 
 def q8_0(raw: np.ndarray) -> QuantWeight:
     """block_q8_0, 32 values in 34 bytes: d f16 | qs int8[32]; w = d * c -> code c + 128 (the
-    int8's bits with the sign bit flipped), scale d, offset -128 d."""
+    int8's bits with the sign bit flipped), scale d, zero 128."""
     b = _blocks(raw, Q.Q8_0)
-    d = _f16(b, 0)
-    return make(_flat(b[..., 2:34] ^ np.uint8(0x80)), 8, d, -128 * d)
+    return make(_flat(b[..., 2:34] ^ np.uint8(0x80)), 8, _f16(b, 0), zero=128)
 
 
-def _k_groups(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _k_groups(b: np.ndarray) -> dict:
     """Q4_K / Q5_K: d f16 at 0, dmin f16 at 2, 6-bit scales and mins at 4..15; sub-block k
-    (32 values) is w = d * sc[k] * q - dmin * m[k] -> scale d sc, offset -dmin m (products of a
-    float16 and a 6-bit integer: exact in float32), [rows, blocks * 8]."""
+    (32 values) is w = d * sc[k] * q - dmin * m[k] -> scale d [rows, blocks] with sub-scales sc,
+    offset -dmin with sub-scales m [rows, blocks * 8]."""
     sc, mn = _k_scales(b[..., 4:16])
-    scale = _f16(b, 0)[..., None] * sc.astype(np.float32)
-    offset = -(_f16(b, 2)[..., None] * mn.astype(np.float32))
-    return _flat(scale), _flat(offset)
+    return dict(scale=_f16(b, 0), scale_q=_flat(sc), offset=-_f16(b, 2), offset_q=_flat(mn))
 
 
 def q4_k(raw: np.ndarray) -> QuantWeight:
@@ -136,19 +124,19 @@ def q4_k(raw: np.ndarray) -> QuantWeight:
     the low nibbles, the next 32 (sub-block 2c + 1) the high nibbles."""
     b = _blocks(raw, Q.Q4_K)
     qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)
-    return _quant4(_flat(_pack_nibbles(qs)), *_k_groups(b))
+    return make(_flat(_pack_nibbles(qs)), 4, packed=True, **_k_groups(b))
 
 
 def q5_k(raw: np.ndarray) -> QuantWeight:
     """block_q5_K, 256 values in 176 bytes: d f16 | dmin f16 | scales[12] | qh[32] | qs[128].
     The low 4 bits as Q4_K's; the 5th bit of value j of sub-block k (k = 0..7, j = 0..31) is bit
-    k of qh[j]. Codes 0..31 as 8-bit codes."""
+    k of qh[j]. 5-bit codes."""
     b = _blocks(raw, Q.Q5_K)
     rows, nb = b.shape[:2]
     low = _nibbles(b[..., 48:176].reshape(rows, nb, 4, 32)).reshape(rows, nb, QK_K)
     high = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little")   # [.., j, k]
     high = high.swapaxes(-1, -2).reshape(rows, nb, QK_K)                    # [.., k, j]
-    return make(_flat(low | (high << 4)), 8, *_k_groups(b))
+    return make(_flat(low | (high << 4)), 5, **_k_groups(b))
 
 
 def q6_k(raw: np.ndarray) -> QuantWeight:
@@ -156,22 +144,21 @@ def q6_k(raw: np.ndarray) -> QuantWeight:
     halves of 128 values; half h takes ql[64h : 64h + 64] and qh[32h : 32h + 32]. Its value
     l = 32 i + j (i = 0..3, j = 0..31) has low 4 bits from ql[64h + 32 (i % 2) + j] (low nibble
     for i < 2, high for i >= 2) and top 2 bits from bits 2i, 2i + 1 of qh[32h + j]. Sub-block k
-    (16 values) is w = d * scales[k] * (q - 32) -> 8-bit codes 0..63, groups of 16, scale
-    d * scales[k] (a float16 times an int8: exact in float32), offset -32 times it."""
+    (16 values) is w = d * scales[k] * (q - 32) -> 6-bit codes, groups of 16, scale d with
+    sub-scales scales[k], zero 32."""
     b = _blocks(raw, Q.Q6_K)
     rows, nb = b.shape[:2]
     low = _nibbles(b[..., 0:128].reshape(rows, nb, 2, 64))                  # [.., h, 128]
     qh = b[..., 128:192].reshape(rows, nb, 2, 1, 32)
     high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3            # [.., h, i, j]
     codes = low | (high.reshape(rows, nb, 2, 128) << 4)
-    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    scale = _flat(_f16(b, 208)[..., None] * sc)
-    return make(_flat(codes.reshape(rows, nb, QK_K)), 8, scale, -32 * scale)
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
+    return make(_flat(codes.reshape(rows, nb, QK_K)), 6, _f16(b, 208), scale_q=_flat(sc), zero=32)
 
 
 # the form each type takes: (bits of its codes, inputs per group)
-FORMS = {Q.Q4_0: (4, 32), Q.Q4_1: (4, 32), Q.Q4_K: (4, 32), Q.Q5_0: (8, 32), Q.Q5_1: (8, 32),
-         Q.Q5_K: (8, 32), Q.Q6_K: (8, 16), Q.Q8_0: (8, 32)}
+FORMS = {Q.Q4_0: (4, 32), Q.Q4_1: (4, 32), Q.Q4_K: (4, 32), Q.Q5_0: (5, 32), Q.Q5_1: (5, 32),
+         Q.Q5_K: (5, 32), Q.Q6_K: (6, 16), Q.Q8_0: (8, 32)}
 
 GGUF_TO_QUANT: dict[Q, Callable[[np.ndarray], QuantWeight]] = {
     Q.Q4_0: q4_0, Q.Q4_1: q4_1, Q.Q4_K: q4_k,

@@ -116,19 +116,30 @@ def status_kib(field: str) -> int:
 
 
 def random_quant(out: int, n_in: int, bits: int = 4, g: int = 32, half: bool = True,
-                 rng: np.random.Generator | None = None):
-    """A random kernels.quant.QuantWeight: codes of `bits` bits in groups of g, scales and
-    offsets float16 values (half) or float32 values that no float16 holds."""
+                 rng: np.random.Generator | None = None, form: str = "offset"):
+    """A random kernels.quant.QuantWeight: codes of `bits` bits in groups of g, scales float16
+    values (half) or float32 values that no float16 holds, and a form of kernels.quant's:
+    "offset" (a float offset per group), "zero" (symmetric, m = -zero s), "k" (a float per
+    block of 4 groups times int8 sub-scales, for the scale and for the offset: the K-quants'),
+    "zero-k" (sub-scales and a zero: Q6_K's) or "awq" (offset -s times an integer zero point)."""
     from tinyrt.kernels import quant
 
     rng = rng or np.random.default_rng(0)
     codes = rng.integers(0, 2 ** bits, (out, n_in)).astype(np.uint8)
-    scale = (rng.random((out, n_in // g)) * 0.02 + 0.001) * (16 / 2 ** bits)
-    offset = -scale * rng.uniform(0, 2 ** bits, scale.shape)
+    k = 4 if form in ("k", "zero-k") and (n_in // g) % 4 == 0 else 1
+    scale = (rng.random((out, n_in // g // k)) * 0.02 + 0.001) * (16 / 2 ** bits)
     dtype = np.float16 if half else np.float32
-    scale, offset = (a.astype(dtype).astype(np.float32) for a in (scale, offset))
+    scale = scale.astype(dtype).astype(np.float32)
     if not half:
         scale[0, 0] = np.float32(0.001) + np.float32(2 ** -30)          # not a float16
-    w = quant.make(codes, bits, scale, offset)
+    sub = (lambda lo, hi: rng.integers(lo, hi, (out, n_in // g))) if k > 1 else (lambda *_: None)
+    zero = 2 ** (bits - 1)
+    if form in ("zero", "zero-k"):
+        w = quant.make(codes, bits, scale, scale_q=sub(-40, 40), zero=zero)
+    elif form == "awq":
+        w = quant.make(codes, bits, scale, -scale, offset_q=rng.integers(0, 2 ** bits, scale.shape))
+    else:
+        offset = (-scale * rng.uniform(0, 2 ** bits, scale.shape)).astype(dtype).astype(np.float32)
+        w = quant.make(codes, bits, scale, offset, scale_q=sub(1, 64), offset_q=sub(0, 64))
     assert w.scale.dtype == dtype
     return w

@@ -33,7 +33,7 @@ def test_bench_of_a_4bit_model(tmp_path):
     r = bench.run(q, prompt_tokens=8, decode_tokens=2, runs=1)
     assert r["weight_mb_per_token"] == pytest.approx(bench.weight_bytes(q.model) / 1e6)
     names = ("qkv", "o", "gate_up", "down")
-    packed = sum(w.w.nbytes + w.s.nbytes + w.m.nbytes for L in q.model.layers for w in (getattr(L, n) for n in names))
+    packed = sum(getattr(L, n).nbytes for L in q.model.layers for n in names)
     floats = sum(getattr(L, n).nbytes for L in f.model.layers for n in names)
     assert 0.1 < packed / floats < 0.2
     norms = sum(L.input_norm.nbytes + L.post_norm.nbytes for L in q.model.layers) + q.model.norm.nbytes

@@ -2,7 +2,8 @@
 dequantized, they give back exactly what the `gguf` package (llama.cpp's own Python) dequantizes.
 
 Exactness: every value both sides compute is exact, or computed by the same float32 operations.
-Q4_0, Q5_0, Q8_0 and Q6_K: gguf computes d * (q - z); we compute q * s + (-z s). q * s is exact
+Q4_0, Q5_0, Q8_0 and Q6_K: gguf computes d * (q - z); we compute q * s + (-z s), s = d (Q6_K: d
+times its int8 sub-scale, exact in float32). q * s is exact
 (a float16's 11 significant bits times a code of at most 8 bits, and for Q6_K a sub-scale of at
 most 7 bits' magnitude times a 6-bit code: 24 bits at most), -z s is exact (z a power of two),
 and their sum is (q - z) * s, itself representable, so it rounds to itself: both sides give the
@@ -23,7 +24,10 @@ from tinyrt.models.gguf_quants import GGUF_TO_QUANT, to_quant
 
 QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]     # gguf has a quantizer for these
 KQUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]                         # not for these: random blocks
-BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 8, Q.Q5_1: 8, Q.Q5_K: 8, Q.Q6_K: 8, Q.Q8_0: 8}
+BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
+# bits held per weight: the file's block, but 5- and 6-bit codes one per byte
+HELD = {Q.Q4_0: 4.5, Q.Q4_1: 5, Q.Q4_K: 4.625, Q.Q5_0: 8.5, Q.Q5_1: 9, Q.Q5_K: 8.625,
+        Q.Q6_K: 8.5625, Q.Q8_0: 8.5}
 GROUP = {t: 16 if t == Q.Q6_K else 32 for t in BITS}
 HALVES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16s
 
@@ -41,11 +45,13 @@ def _kquant_blocks(qtype: Q, rows: int, n_in: int, rng) -> np.ndarray:
     return raw.reshape(rows, n_in // block * size)
 
 
-def _check(raw: np.ndarray, qtype: Q, n_in: int, storage) -> quant.QuantWeight:
+def _check(raw: np.ndarray, qtype: Q, n_in: int) -> quant.QuantWeight:
     w = to_quant(raw, qtype, n_in)
     rows = raw.shape[0]
     assert w.shape == (rows, n_in) and w.bits == BITS[qtype] and w.group_size == GROUP[qtype]
-    assert w.codes.dtype == np.uint8 and w.scale.dtype == w.offset.dtype == storage
+    assert w.codes.dtype == np.uint8 and w.scale.dtype == np.float16
+    assert all(a.dtype in (np.float16, np.int8) for a in w.arrays)   # the file's floats, as is
+    assert 8 * w.nbytes == HELD[qtype] * rows * n_in
     assert int(quant.unpack(w).max()) < 2 ** w.bits
     ours = quant.dequantize(w)
     theirs = dequantize(raw, qtype).reshape(rows, n_in)
@@ -63,7 +69,7 @@ def test_quantized_weights_map_exactly(qtype, rows, n_in):
     x[-1, -32:] = 0.25
     raw = quantize(x, qtype)
     assert raw.dtype == np.uint8 and raw.shape[0] == rows
-    _check(raw, qtype, n_in, np.float16)
+    _check(raw, qtype, n_in)
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
@@ -71,7 +77,7 @@ def test_quantized_weights_map_exactly(qtype, rows, n_in):
 def test_kquant_blocks_map_exactly(qtype, rows, n_in):
     rng = np.random.default_rng(rows * 1000 + n_in + int(qtype))
     raw = _kquant_blocks(qtype, rows, n_in, rng)
-    _check(raw, qtype, n_in, np.float32)     # d * sub-scale: a float32, rarely a float16
+    _check(raw, qtype, n_in)
 
 
 def test_codes_reach_every_value():

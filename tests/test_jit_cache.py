@@ -44,3 +44,42 @@ def test_damaged_cache_is_rebuilt(tmp_path, damage):
     third = run(tmp_path)                       # read from the cache written anew, no warning
     assert third.returncode == 0 and third.stdout == first.stdout
     assert "damaged" not in third.stderr and files(tmp_path, ".nbi")
+
+
+SIMD_SCRIPT = """
+import numpy as np
+from kernels import cpu
+k = np.ones((1, 4, 16), np.float32)
+q = np.ones((1, 16), np.float32)
+print(cpu.attention_decode(q[:, None].reshape(1, 1, 16), k, k, np.zeros(1, np.int64),
+                           np.zeros((1, 4), np.int64), np.float32(1), 0, 1,
+                           np.zeros((1, 0), np.float32)).sum())
+"""
+
+
+def test_a_change_in_the_intrinsics_file_compiles_again(tmp_path):
+    """A kernel of cpu.py compiles in simd.py's intrinsics: after a change to simd.py alone (an
+    upgrade), the cached machine code is stale and must not be loaded."""
+    import shutil
+
+    from tinyrt import kernels
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(Path(kernels.__file__).parent, pkg / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), NUMBA_DEBUG_CACHE="1",
+               PYTHONPATH=str(pkg))
+
+    def attention_cache():
+        r = subprocess.run([sys.executable, "-c", SIMD_SCRIPT], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)     # not the checkout's copy
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stdout.splitlines() if "attention_decode" in line]
+
+    assert any("data saved" in line for line in attention_cache())
+    assert any("data loaded" in line for line in attention_cache())     # the cache works
+    simd = pkg / "kernels" / "simd.py"
+    simd.write_text(simd.read_text() + "\n# changed\n")
+    again = attention_cache()
+    assert any("data saved" in line for line in again)
+    assert not any("data loaded" in line for line in again)

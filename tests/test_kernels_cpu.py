@@ -15,23 +15,30 @@ from tinyrt.models import FAMILIES
 rng = np.random.default_rng()
 
 
-def packed(n_in: int, n_out: int, g: int, bits: int = 4, half: bool = True) -> quant.QuantWeight:
-    return random_quant(n_out, n_in, bits, g, half, rng)
+def packed(n_in: int, n_out: int, g: int, bits: int = 4, half: bool = True,
+           form: str = "offset") -> quant.QuantWeight:
+    return random_quant(n_out, n_in, bits, g, half, rng, form)
 
 
-@pytest.mark.parametrize("bits, g, half", [(4, 32, True), (4, 64, False), (4, 128, True),
-                                           (8, 16, False), (8, 32, True), (8, 128, False)])
+FORMS = [(4, 32, True, "offset"), (4, 64, False, "offset"), (4, 128, True, "awq"),
+         (4, 32, False, "k"), (4, 32, True, "zero"), (5, 32, True, "zero"), (5, 32, True, "k"),
+         (6, 16, True, "zero-k"), (6, 16, False, "zero-k"), (8, 32, True, "zero"),
+         (8, 16, False, "offset"), (8, 128, True, "offset")]
+
+
+@pytest.mark.parametrize("bits, g, half, form", FORMS)
 @pytest.mark.parametrize("n_in, outs", [(128, [64]), (256, [96, 32, 32]), (384, [200, 200]),
                                         (576, [576, 192, 192]), (256, [120])])
 @pytest.mark.parametrize("T", [1, 3, cpu.SMALL_TOKENS + 3])
-def test_q_linear(bits, g, half, n_in, outs, T):
-    parts = [packed(n_in, o, g, bits, half) for o in outs]
+def test_q_linear(bits, g, half, form, n_in, outs, T):
+    parts = [packed(n_in, o, g, bits, half, form) for o in outs]
     w = np.concatenate([quant.dequantize(p) for p in parts])                 # [out, in]
     x = rng.standard_normal((T, n_in)).astype(np.float32)
     be = cpu.CpuBackend()
     prepared = be.prepare_linear(parts)
     tiles = -(-sum(outs) // 16)
-    assert prepared.w.shape == (tiles, n_in * bits // 32, 16) and prepared.shape == (sum(outs), n_in)
+    assert prepared.lo.shape == (tiles, n_in // 8, 16) and prepared.shape == (sum(outs), n_in)
+    assert prepared.hi.shape == (tiles, n_in * (bits - 4) // 32, 16) and prepared.bits == bits
     got = be.linear(x, prepared)
     # one token at a time, the activations are rounded to int16 (1/65534 of a block's largest)
     assert rel_err(got, ref.linear(x, w)) < (1e-4 if T <= cpu.SMALL_TOKENS else 1e-5)
@@ -39,16 +46,29 @@ def test_q_linear(bits, g, half, n_in, outs, T):
 
 @pytest.mark.parametrize("T", [1, cpu.SMALL_TOKENS + 3])
 def test_fused_parts_of_mixed_forms(T):
-    """q, k (4-bit, groups of 32, float16) beside v (8-bit, groups of 16, float32), as a Q4_K_M
-    file's layer has them: fused exactly into one 8-bit layer in groups of 16."""
-    parts = [packed(256, 96, 32, 4, True), packed(256, 32, 32, 4, True),
-             packed(256, 32, 16, 8, False)]
+    """q, k (Q4_K's form: 4-bit, groups of 32, sub-scales) beside v (Q6_K's: 6-bit, groups of
+    16, sub-scales, a zero), as a Q4_K_M file's layer has them: fused exactly into one 6-bit
+    layer in groups of 16 that keeps the super-block scales and integer sub-scales."""
+    parts = [packed(256, 96, 32, 4, True, "k"), packed(256, 32, 32, 4, True, "k"),
+             packed(256, 32, 16, 6, True, "zero-k")]
     be = cpu.CpuBackend()
     prepared = be.prepare_linear(parts)
-    assert prepared.bits == 8 and prepared.s.dtype == np.float32 and prepared.s.shape[1] == 16
+    assert (prepared.bits, prepared.group) == (6, 16) and prepared.s.dtype == np.uint16
+    assert prepared.s.shape[1] == 4 and prepared.sq.shape[1] == prepared.mq.shape[1] == 16  # v: 4 blocks
     x = rng.standard_normal((T, 256)).astype(np.float32)
     w = np.concatenate([quant.dequantize(p) for p in parts])
     assert rel_err(be.linear(x, prepared), ref.linear(x, w)) < 1e-4
+
+
+@pytest.mark.parametrize("bits, g", [(5, 16), (5, 8), (6, 8)])
+def test_codes_widen_to_fill_words(bits, g):
+    """A high plane must fill whole words within a group: 5-bit codes in groups of 16 run as
+    6-bit, in groups of 8 as 8-bit."""
+    w = packed(64, 24, g, bits, True, "zero")
+    p = cpu.repack([w])
+    assert p.bits == (6 if g == 16 else 8)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    assert rel_err(cpu.CpuBackend().linear(x, p)[0], quant.dequantize(w) @ x[0]) < 1e-4
 
 
 @pytest.mark.parametrize("n_in, n_out", [(576, 1536), (64, 72), (130, 7)])
@@ -63,15 +83,15 @@ def test_float_linear(n_in, n_out, T, threads):
     assert rel_err(be.linear(x, be.prepare_linear([w])), x.astype(np.float64) @ w.T) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "int8", "float"])
+@pytest.mark.parametrize("kind", ["q4", "q6", "q8", "int8", "float"])
 @pytest.mark.parametrize("T", [2, 9, cpu.SMALL_TOKENS])
 def test_few_tokens_equal_one_at_a_time(kind, T):
     """A few tokens' linear (a draft's verification) gives each token, to the bit, its one-token
     result: greedy speculative decoding depends on it."""
     n_in, n_out = 576, 1000
     be = cpu.CpuBackend()
-    if kind in ("q4", "q8"):
-        w = be.prepare_linear([packed(n_in, n_out, 64, int(kind[1]))])
+    if kind in ("q4", "q6", "q8"):
+        w = be.prepare_linear([packed(n_in, n_out, 64, int(kind[1]), form="k")])
     elif kind == "int8":
         w = be.prepare_head(rng.standard_normal((n_out, n_in)).astype(np.float32), quantized=True)
     else:
@@ -81,22 +101,28 @@ def test_few_tokens_equal_one_at_a_time(kind, T):
     assert all(np.array_equal(got[t], be.linear(x[t:t + 1], w)[0]) for t in range(T))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_pair_planar_tiles(bits):
-    """Word [k, r, j] holds output 16k + j's codes of inputs nr + 2m at bit bits*m and nr + 2m + 1
-    at bit 16 + bits*m (n = 32 / bits); scales and offsets [k, group, j]; the last tile padded
-    with zeros."""
-    w = packed(64, 24, 32, bits)
-    codes, n = quant.unpack(w), 32 // bits
+    """The codes' low 4 bits in one plane of tiles, their high bits - 4 in another; in a plane
+    of b-bit values, word [k, r, j] holds output 16k + j's values of inputs nr + 2m at bit b*m
+    and nr + 2m + 1 at bit 16 + b*m (n = 32 / b); scales and sub-scales [k, group, j]; the last
+    tile padded with zeros."""
+    w = packed(128, 24, 32, bits, True, "k")
+    codes = quant.unpack(w)
     p = cpu.repack([w])
-    words = p.w.view(np.uint32)
-    for i, o in zip(rng.integers(0, 64, 50), rng.integers(0, 24, 50)):
-        shift = bits * (i % n // 2) + 16 * (i % 2)
-        assert (words[o // 16, i // n, o % 16] >> shift) & (2 ** bits - 1) == codes[o, i]
-    for g, o in zip(rng.integers(0, 2, 20), rng.integers(0, 24, 20)):
-        assert p.s[o // 16, g, o % 16] == w.scale.view(np.uint16)[o, g]
-        assert p.m[o // 16, g, o % 16] == w.offset.view(np.uint16)[o, g]
-    assert not words[1, :, 8:].any() and not p.s[1, :, 8:].any() and not p.m[1, :, 8:].any()
+    planes = [(p.lo.view(np.uint32), 4, 0), (p.hi.view(np.uint32), bits - 4, 4)]
+    for i, o in zip(rng.integers(0, 128, 50), rng.integers(0, 24, 50)):
+        for words, b, low in planes[:1 + (bits > 4)]:
+            n = 32 // b
+            shift = b * (i % n // 2) + 16 * (i % 2)
+            value = (codes[o, i] >> low) & (2 ** b - 1)
+            assert (words[o // 16, i // n, o % 16] >> shift) & (2 ** b - 1) == value
+    for g, o in zip(rng.integers(0, 4, 20), rng.integers(0, 24, 20)):
+        assert p.s[o // 16, g // 4, o % 16] == w.scale.view(np.uint16)[o, g // 4]
+        assert p.sq[o // 16, g, o % 16] == w.scale_q[o, g]
+        assert p.m[o // 16, g // 4, o % 16] == w.offset.view(np.uint16)[o, g // 4]
+        assert p.mq[o // 16, g, o % 16] == w.offset_q[o, g]
+    assert not p.lo[1, :, 8:].any() and not p.hi[1, :, 8:].any() and not p.s[1, :, 8:].any()
 
 
 @pytest.mark.parametrize("block", [8, 32, 128])
@@ -121,7 +147,7 @@ def test_q_gemv_tasks(threads, n_out):
     p = cpu.repack([w])
     x = rng.standard_normal((1, 192)).astype(np.float32)
     y = np.full((1, n_out), np.nan, np.float32)
-    cpu.q_gemv(x, p.w, p.s, p.m, p.bits, y, threads)
+    cpu.q_gemv(x, p, y, threads)
     assert rel_err(y[0], quant.dequantize(w) @ x[0]) < 1e-4
 
 
