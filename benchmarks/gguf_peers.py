@@ -29,7 +29,7 @@ its error, and the other engine's figures are still printed.
         --threads 2 --runs 5
     # perplexity on WikiText-2 test, ctx 2048, 10 windows
     python benchmarks/gguf_peers.py $D $G/smollm2-135m.Q4_K_M.gguf \\
-        --ppl /work/shared/data/wikitext2-test.txt --ctx 2048 --windows 10
+        --ppl ../shared/data/wikitext2-test.txt --ctx 2048 --windows 10
     # one engine only: --engines llama.cpp; JSON instead of the table: --json
 
 Needs `pip install llama-cpp-python` (not a CI dependency).

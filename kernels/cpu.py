@@ -1,12 +1,14 @@
 """Numba CPU kernels and the backend that runs the decoder on them.
 
 Decode at batch 1 reads every weight once per token, so quantized weights are read as they are
-packed, never as a dequantized copy. A quantized layer (kernels.quant: 4- or 8-bit codes, a float
-scale and offset per group) is repacked once, at load, into the pair-planar tiles of simd (all
-projections that share an input fused into one layer); scales and offsets stay as they are
-stored (float16 or float32). A GEMV rounds the activations to int16 (one scale per block of at
-most X_BLOCK inputs, inside one quantization group) and sums codes times activations in
-integers, 32 pairs per instruction (simd.tile_dot4, tile_dot8), then per block and output
+packed, never as a dequantized copy. A quantized layer (kernels.quant: codes of 4-8 bits, a scale
+and an offset per group, each a float or a float times an int8, or an offset of -zero times
+the scale) is repacked once, at load, into the pair-planar tiles of simd (all projections that
+share an input fused into one layer): the codes' low 4 bits in one plane, their high bits in a
+second; scales and offsets stay as they are stored. A GEMV rounds the activations to int16 (one
+scale per block of at most X_BLOCK inputs, inside one quantization group) and sums codes times
+activations in integers, 32 pairs per instruction (simd.tile_dot4 .. tile_dot8), then per
+block and output
 
     y[o] += s[g, o] * sx[b] * sum_{i in b} x_q[i] q[i, o]  +  m[g, o] * sx[b] * sum_{i in b} x_q[i]
 

@@ -8,13 +8,15 @@ CPU's 16-bit multiply-add of pairs (x86: pmaddwd, or vpdpwssd where AVX-512 VNNI
 Arm: smull + addp), which multiplies 32 code/activation pairs per instruction. The IR is
 target-independent; LLVM picks the instructions for the machine Numba compiles for.
 
-The layout it reads, "pair-planar tiles", for codes of b = 4 or 8 bits (kernels.quant): a layer's
-outputs go in tiles of LANES, each tile an int32 array [in b/32, LANES], one after the other (int32
-[out/LANES, in b/32, LANES]); word [k, r, j] holds the codes of output LANES k + j for the n = 32/b
-inputs nr .. nr+n-1, input nr + 2m at bit b m and input nr + 2m + 1 at bit 16 + b m (m < n/2). So
-(word >> b m) & (2**b - 1) * 0x00010001 is two 16-bit integers, the codes of a pair of inputs,
-ready for a pairwise multiply-add with the pair's two int16 activations, and a GEMV reads each
-tile from start to end, the whole layer in the order it lies in memory.
+The layout it reads, "pair-planar tiles", for values of b = 1, 2 or 4 bits (a plane of the codes
+of kernels.quant: their low 4 bits, or their high 1, 2 or 4 bits): a layer's outputs go in
+tiles of LANES, each tile an int32 array [in b/32, LANES], one after the other (int32
+[out/LANES, in b/32, LANES]); word [k, r, j] holds the values of output LANES k + j for the
+n = 32/b inputs nr .. nr+n-1, input nr + 2m at bit b m and input nr + 2m + 1 at bit 16 + b m
+(m < n/2). So (word >> b m) & (2**b - 1) * 0x00010001 is two 16-bit integers, the values of a
+pair of inputs, ready for a pairwise multiply-add with the pair's two int16 activations; the
+high plane's values are shifted up by 4 first, so both planes add into one integer sum. A GEMV
+reads each tile from start to end, the whole layer in the order it lies in memory.
 """
 
 from __future__ import annotations
