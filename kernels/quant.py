@@ -206,16 +206,15 @@ def concat(parts: list[QuantWeight]) -> QuantWeight:
         return parts[0]
     bits = max(p.bits for p in parts)
     groups = n_in // math.gcd(*(p.group_size for p in parts))
-    codes = np.concatenate([p.codes if p.bits == bits else
-                            (p.codes if bits == 4 else unpack(p)) for p in parts])
+    codes = np.concatenate([p.codes if p.bits == bits else unpack(p) for p in parts])
 
     def ints(get):                      # a per-group integer array of every part, or None
-        if all(get(p) is None for p in parts):
+        arrays = [get(p) for p in parts]
+        if all(a is None for a in arrays):
             return None
-        return np.concatenate([np.repeat(get(p) if get(p) is not None else
-                                         np.ones((p.shape[0], 1), np.int8),
-                                         groups // (get(p).shape[1] if get(p) is not None else 1),
-                                         axis=1) for p in parts])
+        arrays = [np.ones((p.shape[0], 1), np.int8) if a is None else a
+                  for p, a in zip(parts, arrays)]
+        return np.concatenate([np.repeat(a, groups // a.shape[1], axis=1) for a in arrays])
 
     def floats(arrays):
         cols = math.lcm(*(a.shape[1] for a in arrays))
