@@ -120,23 +120,25 @@ def make(codes: np.ndarray, bits: int, scale: np.ndarray, offset: np.ndarray | N
     if bits not in BITS:
         raise ValueError(f"codes of {bits} bits: the runtime holds {', '.join(map(str, BITS))}")
     c = np.ascontiguousarray(codes, np.uint8)
+    if c.ndim != 2:
+        raise ValueError(f"codes {list(c.shape)} are not a matrix")
     if bits == 4 and not packed:
-        if c.ndim != 2 or c.shape[1] % 2:
-            raise ValueError(f"4-bit codes {list(c.shape)} must be a matrix of an even width")
+        if c.shape[1] % 2:
+            raise ValueError(f"4-bit codes {list(c.shape)} must be of an even width")
         c = pack4(c)
     w = QuantWeight(c, bits, _float(scale), _int8(scale_q), _float(offset), _int8(offset_q),
                     int(zero))
     out, n_in = w.shape
-    if c.ndim != 2:
-        raise ValueError(f"codes {list(codes.shape)} are not a matrix")
-    g = max(a.shape[1] for a in w.arrays)
-    for name, a in zip(("scale", "scale_q", "offset", "offset_q"),
-                       (w.scale, w.scale_q, w.offset, w.offset_q)):
-        if a is not None and (a.ndim != 2 or a.shape[0] != out or g % max(1, a.shape[1])
-                              or n_in % g):
+    named = [(name, a) for name, a in zip(("scale", "scale_q", "offset", "offset_q"),
+                                          (w.scale, w.scale_q, w.offset, w.offset_q))
+             if a is not None]
+    groups = max(a.shape[1] if a.ndim == 2 else 0 for _, a in named)
+    for name, a in named:
+        if a.ndim != 2 or a.shape[0] != out or not a.shape[1] or groups % a.shape[1] \
+                or n_in % groups:
             raise ValueError(f"{name} {list(a.shape)} does not fit codes of a [{out}, {n_in}] layer")
-    if (w.scale_q is not None and w.scale_q.shape[1] != g) or \
-            (w.offset_q is not None and w.offset_q.shape[1] != g):
+    if (w.scale_q is not None and w.scale_q.shape[1] != groups) or \
+            (w.offset_q is not None and w.offset_q.shape[1] != groups):
         raise ValueError("integer sub-scales are per group")
     return w
 
@@ -181,15 +183,12 @@ def dequantize(w: QuantWeight, rows: np.ndarray | slice = slice(None)) -> np.nda
     return (q.reshape(n, n_in // g, g).astype(np.float32) * s + m).reshape(n, n_in)
 
 
-def flat(w: QuantWeight, bits: int | None = None, group_size: int | None = None) -> QuantWeight:
-    """The same weights with one float scale and offset per group of `group_size` (dividing
-    w's; default w's own) and codes of `bits` >= w.bits (default w's): exact."""
-    bits, g = bits or w.bits, group_size or w.group_size
-    if bits < w.bits or w.group_size % g or bits not in BITS:
-        raise ValueError(f"cannot hold {w.bits}-bit codes in groups of {w.group_size} as "
-                         f"{bits}-bit codes in groups of {g}")
-    groups = w.shape[1] // g
-    s, m = (_per_group(a, groups) for a in scales(w))
+def flat(w: QuantWeight, bits: int) -> QuantWeight:
+    """The same weights with one float scale and offset per group and codes of `bits` >= w.bits
+    (for a kernel that reads no other form): exact."""
+    if bits < w.bits or bits not in BITS:
+        raise ValueError(f"cannot hold {w.bits}-bit codes as {bits}-bit codes")
+    s, m = scales(w)
     codes = w.codes if bits == w.bits else unpack(w)
     return make(codes, bits, s, m, packed=bits == 4)
 
@@ -218,8 +217,7 @@ def concat(parts: list[QuantWeight]) -> QuantWeight:
 
     def floats(arrays):
         cols = math.lcm(*(a.shape[1] for a in arrays))
-        return np.concatenate([np.repeat(a.astype(np.float64), cols // a.shape[1], axis=1)
-                               for a in arrays])
+        return np.concatenate([_per_group(a, cols) for a in arrays])
 
     scale, scale_q = floats([p.scale for p in parts]), ints(lambda p: p.scale_q)
     zeros = {p.zero for p in parts}

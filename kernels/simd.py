@@ -108,19 +108,7 @@ def _pair_sums(context, builder, planes, xp_ptr):
                 total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
                 builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
     a = [builder.load(acc) for acc in accs]
-    while len(a) > 1:
-        a = [builder.add(a[i], a[i + 1]) for i in range(0, len(a), 2)]
-    return a[0]
-
-
-def _float_vector(builder, ptr, array_type):
-    """IR: the LANES floats at ptr of an array of float32, or of float16 bits (uint16), as a
-    float32 vector."""
-    half = array_type.dtype == types.uint16
-    element = ir.HalfType() if half else ir.FloatType()
-    v = builder.load(builder.bitcast(ptr, ir.VectorType(element, LANES).as_pointer()),
-                     align=2 if half else 4)
-    return builder.fpext(v, ir.VectorType(ir.FloatType(), LANES)) if half else v
+    return builder.add(builder.add(a[0], a[1]), builder.add(a[2], a[3]))
 
 
 def _int8_vector(builder, ptr):
@@ -198,6 +186,15 @@ def _tile_dot(bits: int):
             # count of blocks (groups) it has been in so far (no division in the loop)
             at = {name: cgutils.alloca_once_value(builder, const(0))
                   for name in ("gi", "in_g", "si", "in_s", "mi", "in_m")}
+
+            def step(index, count, size, by):    # count += by; at size: index += 1, count = 0
+                n = builder.add(builder.load(at[count]), by)
+                full = builder.icmp_unsigned("==", n, size)
+                builder.store(builder.select(full, const(0), n), at[count])
+                builder.store(builder.add(builder.load(at[index]), builder.zext(full, intp)),
+                              at[index])
+                return builder.zext(full, intp)
+
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
                 r0 = builder.mul(b, lo_rows)
@@ -207,15 +204,16 @@ def _tile_dot(bits: int):
                     planes.append((hi_ptr, high, h0, builder.add(h0, hi_rows), 4))
                 dots = _pair_sums(context, builder, planes, xp_ptr)
                 gi, si, mi = (builder.load(at[name]) for name in ("gi", "si", "mi"))
-                builder.store(_float_vector(builder, pointer("s", kv, si, const(0)),
-                                            field["s"][1]), s_acc)
+                builder.store(_vector_at(builder, pointer("s", kv, si, const(0)), const(0),
+                                         _is_half(field["s"][1])), s_acc)
                 with builder.if_then(has["sq"]):
                     sub = _int8_vector(builder, pointer("sq", kv, gi, const(0)))
                     builder.store(builder.fmul(builder.load(s_acc), sub, flags=fast), s_acc)
                 scales = builder.load(s_acc)
                 with builder.if_else(has["m"]) as (offsets, symmetric):
                     with offsets:
-                        m = _float_vector(builder, pointer("m", kv, mi, const(0)), field["m"][1])
+                        m = _vector_at(builder, pointer("m", kv, mi, const(0)), const(0),
+                                       _is_half(field["m"][1]))
                         builder.store(m, m_acc)
                         with builder.if_then(has["mq"]):
                             sub = _int8_vector(builder, pointer("mq", kv, gi, const(0)))
@@ -231,13 +229,6 @@ def _tile_dot(bits: int):
                 part = builder.fadd(part, builder.fmul(offsets, xs, flags=fast), flags=fast)
                 builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
 
-                def step(index, count, size, by):    # count += by; at size: index += 1, count = 0
-                    n = builder.add(builder.load(at[count]), by)
-                    full = builder.icmp_unsigned("==", n, size)
-                    builder.store(builder.select(full, const(0), n), at[count])
-                    builder.store(builder.add(builder.load(at[index]), builder.zext(full, intp)),
-                                  at[index])
-                    return builder.zext(full, intp)
 
                 next_group = step("gi", "in_g", per_group, const(1))
                 step("si", "in_s", s_div, next_group)
@@ -335,19 +326,6 @@ def float_from_bits(typingctx, bits):
 
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def float_from_half(typingctx, bits):
-    """The float32 value of the IEEE half-precision number whose bits are the uint16 `bits`
-    (Numba's CPU target has no float16 type). Vectorized, a half-to-single conversion
-    instruction (x86 F16C, Arm fcvtl)."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return sig, codegen
 
