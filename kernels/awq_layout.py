@@ -54,16 +54,6 @@ def unpack(packed: np.ndarray) -> np.ndarray:
     return nibbles[:, :, REVERSE].reshape(rows, words * PACK).astype(np.uint8)
 
 
-def dequantize(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """The float weight W [out, in] float32 of a packed layer (group size from the shapes)."""
-    q = unpack(qweight).astype(np.float32)                             # [in, out]
-    z = unpack(qzeros).astype(np.float32)                              # [in/g, out]
-    g = q.shape[0] // scales.shape[0]
-    s = scales.astype(np.float32)
-    w = (q.reshape(-1, g, q.shape[1]) - z[:, None]) * s[:, None]       # [in/g, g, out]
-    return np.ascontiguousarray(w.reshape(q.shape).T)
-
-
 def shapes(in_features: int, out_features: int, group_size: int) -> dict[str, tuple[int, int]]:
     """Shapes of qweight, qzeros and scales for a layer."""
     return {"qweight": (in_features, out_features // PACK),

@@ -14,7 +14,7 @@ from tinyrt.converters.awq import (QuantOptions, awq_layer, layer_forward, linea
                                    search_scales)
 from tinyrt.converters.quantize import dequantize, fake_quantize, pack_linear, quantize
 from tinyrt.errors import ModelFormatError, TinyrtError
-from tinyrt.kernels import awq_layout, get_backend
+from tinyrt.kernels import awq_layout, get_backend, quant
 from tinyrt.kernels.reference import int8_rows
 from tinyrt.kv_cache import CacheOptions, make_cache
 from tinyrt.models.config import ModelConfig
@@ -82,8 +82,8 @@ def test_pack_linear_dequantizes_to_the_fake_quantized_weight():
     t = pack_linear(w, 32)
     assert t["qweight"].shape == (64, 6) and t["qzeros"].shape == (2, 6) and t["scales"].shape == (2, 48)
     assert t["scales"].dtype == np.float16
-    np.testing.assert_array_equal(awq_layout.dequantize(t["qweight"], t["qzeros"], t["scales"]),
-                                  fake_quantize(w, 32))
+    layer = awq_layout.QuantizedLinear(t["qweight"], t["qzeros"], t["scales"])
+    np.testing.assert_array_equal(quant.dequantize(awq_layout.to_quant(layer)), fake_quantize(w, 32))
 
 
 def test_scale_search_never_loses_to_plain_rounding():

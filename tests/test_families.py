@@ -12,7 +12,7 @@ import tinyrt
 from gguf_helpers import write_gguf
 from helpers import CHATML, byte_level_tokenizer, hf_logits, hf_model, rel_err, tiny_config
 from tinyrt.converters import convert
-from tinyrt.kernels import awq_layout, reference
+from tinyrt.kernels import awq_layout, quant, reference
 from tinyrt.models import FAMILIES, WeightStore
 
 rng = np.random.default_rng()
@@ -64,7 +64,8 @@ def dequantized_oracle(quantized, directory):
         module, part = name.rsplit(".", 1)
         if part == "qweight":
             parts = (store.get(f"{module}.{p}") for p in awq_layout.QuantizedLinear._fields)
-            w[module + ".weight"] = awq_layout.dequantize(*parts)
+            w[module + ".weight"] = quant.dequantize(awq_layout.to_quant(
+                awq_layout.QuantizedLinear(*parts)))
         elif part not in ("qzeros", "scales"):
             w[name] = store.get_float(name).astype(np.float32)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
