@@ -532,19 +532,11 @@ class GGUFWeights(ModelWeights):
                 if len(t.shape) == 2 and t.tensor_type not in GGUF_TO_QUANT
                 and t.tensor_type not in (Q.F32, Q.F16) and n != "token_embd.weight"}
 
-    def _kinds(self) -> dict[str, dict[str, int]]:
-        kinds: dict[str, dict[str, int]] = {}
+    def _stored_types(self):
         for hf, name in self.file._gguf_names.items():
-            module = hf.rsplit(".", 1)[0]
-            if "layernorm" in module or module == "model.norm" or not hf.endswith(".weight"):
-                continue
-            kind = module.split(".", 3)[3] if module.startswith("model.layers.") else module
-            t = self.file.tensor_type(name).name
-            kinds.setdefault(kind, {}).setdefault(t, 0)
-            kinds[kind][t] += 1
-        if self.config.tie_word_embeddings:
-            kinds["lm_head"] = kinds["model.embed_tokens"]
-        return kinds
+            module, _, part = hf.rpartition(".")
+            if part == "weight":
+                yield module, self.file.tensor_type(name).name
 
     def _form(self, stored: str) -> tuple[int, int] | None:
         return FORMS.get(Q[stored])

@@ -239,8 +239,9 @@ class ModelWeights:
     LM head. `dtype` "f16" / "f32" asks for float weights throughout (quantized layers
     dequantized at load: the float path); None keeps what is stored.
 
-    A format implements `tensor`, `_linear`, `_embedding`, `_head`, `release`, `nbytes` and
-    `stored_types`; it checks every tensor's presence and shape against the config when built."""
+    A format implements `tensor`, `_linear`, `_embedding`, `_head`, `release`, `nbytes`,
+    `_stored_types` and `_form`; it checks every tensor's presence and shape against the config
+    when built."""
 
     name: str = ""      # the file or directory, for messages
 
@@ -297,10 +298,28 @@ class ModelWeights:
         therefore run as float: name -> type."""
         return {}
 
+    def _stored_types(self):
+        """(HF module name, stored type) of each weight matrix and table in the file (norms
+        may be among them)."""
+        raise NotImplementedError
+
+    def _tied_head(self, kinds: dict[str, dict[str, int]]) -> dict[str, int]:
+        """What a tied LM head is stored as: the embedding's types."""
+        return kinds["model.embed_tokens"]
+
     def _kinds(self) -> dict[str, dict[str, int]]:
         """Linear layers and tables by kind (HF module name without its layer: self_attn.q_proj,
         model.embed_tokens, lm_head) -> {stored type: how many}."""
-        raise NotImplementedError
+        kinds: dict[str, dict[str, int]] = {}
+        for module, t in self._stored_types():
+            if "layernorm" in module or module == "model.norm":
+                continue
+            kind = module.split(".", 3)[3] if module.startswith("model.layers.") else module
+            counts = kinds.setdefault(kind, {})
+            counts[t] = counts.get(t, 0) + 1
+        if self.config.tie_word_embeddings:
+            kinds["lm_head"] = self._tied_head(kinds)
+        return kinds
 
     def _form(self, stored: str) -> tuple[int, int] | None:
         """The (bits, group size) a stored type runs as, None for float."""
@@ -369,19 +388,14 @@ class DirectoryWeights(ModelWeights):
     def release(self) -> None:
         self.store.release()
 
-    def _kinds(self) -> dict[str, dict[str, int]]:
-        kinds: dict[str, dict[str, int]] = {}
+    def _stored_types(self):
         for name in self.store.keys():
             module, _, part = name.rpartition(".")
-            if part not in ("weight", "qweight") or "layernorm" in module or module == "model.norm":
-                continue
-            kind = module.split(".", 3)[3] if module.startswith("model.layers.") else module
-            t = "AWQ" if part == "qweight" else self.store.dtype(name)
-            kinds.setdefault(kind, {}).setdefault(t, 0)
-            kinds[kind][t] += 1
-        if self.config.tie_word_embeddings:
-            kinds["lm_head"] = {"(the embedding)": 1}
-        return kinds
+            if part in ("weight", "qweight"):
+                yield module, "AWQ" if part == "qweight" else self.store.dtype(name)
+
+    def _tied_head(self, kinds):
+        return {"(the embedding)": 1}
 
     def _form(self, stored: str) -> tuple[int, int] | None:
         return (4, self.config.quant.group_size) if stored == "AWQ" else None
