@@ -50,6 +50,7 @@ SMALL_TOKENS = 16        # up to this many tokens (a draft's verification), laye
 PROMPT_BLOCK = 128       # queries per block of prompt attention
 X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
 DEQUANT_TILE_BYTES = 8 << 20   # a prompt GEMM's dequantized tile: any layer of the default model
+REPACK_BYTES = 4 << 20         # codes unpacked one per byte at a time while repacking
 
 # Typing decode_layer's call of attention_decode warns (once, when the cache is cold) that a
 # parallel function had nothing to parallelize; its prange does run in parallel (measured: one
@@ -142,13 +143,14 @@ def repack(parts: list) -> QLinear:
     (out, n_in), g = w.shape, w.group_size
     bits = _planes_fit(w.bits, g)
     tiles = -(-out // simd.LANES)
-    codes = quant.unpack(w)
-    planes = []
-    for shift, b in ((0, 4), (4, bits - 4)):
-        dst = np.zeros((tiles, n_in * b // 32, simd.LANES), np.int32)
-        if b:
-            _tile_codes(codes, shift, b, dst)
-        planes.append(dst)
+    planes = [np.zeros((tiles, n_in * b // 32, simd.LANES), np.int32) for b in (4, bits - 4)]
+    # the codes one per byte a few rows at a time: a whole layer's would double its size at load
+    step = max(simd.LANES, REPACK_BYTES // n_in // simd.LANES * simd.LANES)
+    for r0 in range(0, out, step):
+        codes = quant.unpack(w.rows(slice(r0, r0 + step)))
+        for dst, shift, b in ((planes[0], 0, 4), (planes[1], 4, bits - 4)):
+            if b:
+                _tile_codes(codes, shift, b, dst[r0 // simd.LANES:])
     floats = [a for a in (w.scale, w.offset) if a is not None]
     dtype = np.result_type(*floats)          # one float type for both: fewer compiled variants
 

@@ -285,6 +285,12 @@ class GGUFFile:
         except ModelFormatError as e:
             raise ModelFormatError(f"{self.path}: {e}") from None
 
+    def drop_arrays(self, prefix: str) -> None:
+        """Forget the array values of the metadata keys that start with `prefix` (the memory
+        they hold: a vocabulary of 50k tokens and its merges take ~10 MB as Python strings)."""
+        self.metadata = {k: v for k, v in self.metadata.items()
+                         if not (k.startswith(prefix) and isinstance(v, list))}
+
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value (scalars as Python values, arrays as lists)."""
         v = self.metadata.get(key, default)
@@ -498,6 +504,7 @@ class GGUFWeights(ModelWeights):
         self.file = g = GGUFFile(path)
         self.name = str(path)
         self.config = cfg = ModelConfig.from_dict(g.config())
+        g.drop_arrays("tokenizer.")        # the tokenizer reads the file on its own
         have = g.hf_shapes()
         for name, shape in family(cfg.model_type).model.expected_shapes(cfg).items():
             if name not in have:

@@ -19,7 +19,7 @@ from tinyrt.kernels import QuantWeight, awq_layout
 
 from .config import ModelConfig
 from .rope import rope_inv_freq
-from .weights import ModelWeights, release_pages
+from .weights import ModelWeights, release_pages, trim_heap
 
 
 @dataclass
@@ -119,21 +119,28 @@ class LlamaModel:
         self.backend = be = backend
         self.weights = weights
         self.embed = be.prepare_embedding(weights.embedding())
-        head = weights.head()
-        # a quantized head runs as stored; a float head of a quantized model may be quantized
-        # by the backend (see its prepare_head)
-        self.lm_head = be.prepare_linear([head]) if isinstance(head, QuantWeight) else \
-            be.prepare_head(head, quantized=weights.quantized)
+        self.lm_head = self._prepare_head(be, weights)
         self.norm = be.prepare_vector(weights.tensor("model.norm.weight"))
         self.layers = []
-        # the file pages read while preparing each part leave the resident set at once, so that
-        # the peak of a load stays close to what the prepared model holds
+        # the file pages read and the heap freed while preparing each layer go back at once, so
+        # that the peak of a load stays close to what the prepared model holds
         weights.release()
         for i in range(cfg.num_hidden_layers):
             self.layers.append(self.make_layer(i, be, weights.tensor, weights.linear))
             weights.release()
+            trim_heap()
         self.inv_freq = rope_inv_freq(cfg)
         self.scale = cfg.head_dim ** -0.5
+
+    @staticmethod
+    def _prepare_head(be, weights: ModelWeights):
+        """The LM head on backend `be`: a quantized head as stored; a float head of a quantized
+        model perhaps quantized by the backend (see its prepare_head). (A function of its own
+        so that the source's copy is freed before the layers load.)"""
+        head = weights.head()
+        if isinstance(head, QuantWeight):
+            return be.prepare_linear([head])
+        return be.prepare_head(head, quantized=weights.quantized)
 
     # -- the math of a layer --------------------------------------------------------------------
 
