@@ -87,6 +87,20 @@ def test_gguf_tokenizer_equals_its_source(tmp_path):
     assert "im_start" in ours.config["chat_template"]
 
 
+def test_the_weights_keep_no_tokenizer_arrays(tmp_path):
+    """The tokenizer reads the file itself: the weights' reader forgets its vocabulary and
+    merges (megabytes of Python strings), and keeps the scalars and the config."""
+    from tinyrt.models.gguf import GGUFFile, GGUFWeights
+
+    cfg = tiny_config()
+    path, _, _ = _tiny_gguf(tmp_path, cfg, "Q4_0")
+    assert isinstance(GGUFFile(path).get("tokenizer.ggml.tokens"), list)
+    w = GGUFWeights(path)
+    assert w.file.get("tokenizer.ggml.tokens") is None
+    assert w.file.get("tokenizer.ggml.eos_token_id") == GGUFFile(path).get("tokenizer.ggml.eos_token_id") is not None
+    assert w.config.vocab_size == cfg["vocab_size"]
+
+
 def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"GGML" + bytes(100))
