@@ -7,8 +7,8 @@ the scale) is repacked once, at load, into the pair-planar tiles of simd (all pr
 share an input fused into one layer): the codes' low 4 bits in one plane, their high bits in a
 second; scales and offsets stay as they are stored. A GEMV rounds the activations to int16 (one
 scale per block of at most X_BLOCK inputs, inside one quantization group) and sums codes times
-activations in integers, 32 pairs per instruction (simd.tile_dot4 .. tile_dot8), then per
-block and output
+activations in integers, 32 pairs per instruction (simd.tile_dot4 .. tile_dot8), then per block
+and output
 
     y[o] += s[g, o] * sx[b] * sum_{i in b} x_q[i] q[i, o]  +  m[g, o] * sx[b] * sum_{i in b} x_q[i]
 

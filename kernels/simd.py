@@ -228,8 +228,6 @@ def _tile_dot(bits: int):
                                     flags=fast)
                 part = builder.fadd(part, builder.fmul(offsets, xs, flags=fast), flags=fast)
                 builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
-
-
                 next_group = step("gi", "in_g", per_group, const(1))
                 step("si", "in_s", s_div, next_group)
                 step("mi", "in_m", m_div, next_group)

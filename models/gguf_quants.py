@@ -1,8 +1,8 @@
 """GGUF (llama.cpp) quantized blocks -> the runtime's one quantized form (`kernels.quant`),
 exactly: codes are copied bit for bit, each block's float16 scale (and min) kept as it is, the
-K-quants' integer sub-block scales as integers beside them. The table at the top
-of kernels/quant.py lists the mapping; the block layouts are ggml's (ggml-common.h), documented
-below where each is decoded.
+K-quants' integer sub-block scales as integers beside them. The table at the top of
+kernels/quant.py lists the mapping; the block layouts are ggml's (ggml-common.h), documented below
+where each is decoded.
 
 A 2-D GGUF weight W [out, in] is stored row after row (one row per output), each row a run of
 blocks along the input; `raw` is those bytes, uint8 [out, bytes_per_row]. Everything is NumPy on

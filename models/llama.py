@@ -19,7 +19,7 @@ from tinyrt.kernels import QuantWeight, awq_layout
 
 from .config import ModelConfig
 from .rope import rope_inv_freq
-from .weights import ModelWeights, release_pages, trim_heap
+from .weights import ModelWeights, release_pages
 
 
 @dataclass
@@ -122,13 +122,12 @@ class LlamaModel:
         self.lm_head = self._prepare_head(be, weights)
         self.norm = be.prepare_vector(weights.tensor("model.norm.weight"))
         self.layers = []
-        # the file pages read and the heap freed while preparing each layer go back at once, so
-        # that the peak of a load stays close to what the prepared model holds
+        # the file pages read while preparing each part leave the resident set at once, so that
+        # the peak of a load stays close to what the prepared model holds
         weights.release()
         for i in range(cfg.num_hidden_layers):
             self.layers.append(self.make_layer(i, be, weights.tensor, weights.linear))
             weights.release()
-            trim_heap()
         self.inv_freq = rope_inv_freq(cfg)
         self.scale = cfg.head_dim ** -0.5
 

@@ -9,7 +9,6 @@ package copies every tensor into memory, while a runtime wants pages mapped stra
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -195,16 +194,6 @@ def release_pages(a) -> None:
     start = a.ctypes.data - root.ctypes.data
     page = start - start % mmap.PAGESIZE
     root.base.madvise(mmap.MADV_DONTNEED, page, start + a.nbytes - page)
-
-
-def trim_heap() -> None:
-    """Hand the heap memory freed by the temporaries of a load back to the OS: glibc keeps it
-    otherwise, and a load's temporaries, layer after layer, leave it fragmented (about 30 MB
-    for the default model). A no-op where the C library is not glibc."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def write_safetensors(path: str | Path, specs: list[tuple[str, np.dtype, tuple[int, ...]]],

@@ -125,6 +125,18 @@ def test_pair_planar_tiles(bits):
     assert not p.lo[1, :, 8:].any() and not p.hi[1, :, 8:].any() and not p.s[1, :, 8:].any()
 
 
+@pytest.mark.parametrize("bits", [4, 6])
+def test_repack_in_row_chunks(monkeypatch, bits):
+    """Repacking a few rows at a time (REPACK_BYTES) gives the tiles of repacking all at once:
+    chunks of one tile each, the last tile part-filled."""
+    w = packed(64, 72, 16, bits, True, "zero-k")
+    whole = cpu.repack([w])
+    monkeypatch.setattr(cpu, "REPACK_BYTES", 1)
+    chunked = cpu.repack([w])
+    for a, b in zip(whole, chunked):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("block", [8, 32, 128])
 def test_quantize_pairs(block):
     x = (rng.standard_normal(256) * rng.choice([1e-3, 1, 50], 256)).astype(np.float32)
