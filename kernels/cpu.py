@@ -18,10 +18,13 @@ verification) run the same GEMVs with each weight read from memory once for all 
 decode attention per token (a 4-bit model's through decode_layer too): each token's result is
 what a one-token call of the same kernels gives it, to the bit.
 
-Prompts (more than SMALL_TOKENS tokens) dequantize a tile of a layer's columns at a time into a
-scratch buffer and call BLAS through NumPy per tile; prompt attention is blocked BLAS matmuls
-(attention_prompt). A float LM head of a quantized model is quantized at load to int8 per row
-(see prepare_head).
+Prompts (more than SMALL_TOKENS tokens) run the same integer sums as a GEMM (q_gemm): a
+tile's codes are taken apart once for GEMM_TOKENS tokens, so the multiply-adds set the pace
+(int16 pairs: twice the products per instruction of float32 FMA, and no float copy of the
+layer), and each token's outputs are those a GEMV gives it, to the bit. Prompt
+attention is blocked BLAS matmuls (attention_prompt). A float LM head of a quantized model is
+quantized at load to int8 per row (see prepare_head); a prompt's pass over it (all logits:
+perplexity) dequantizes tiles of it for BLAS.
 Attention over the cache in decode, RMSNorm, RoPE and SiLU·mul are Numba loops. The KV cache
 holds float16 (read as uint16 bits and converted in the loads) or float32.
 
@@ -46,10 +49,11 @@ jit_cache.guard()
 
 SMALL_TOKENS = 16        # up to this many tokens (a draft's verification), layers run as GEMVs
                          # that read the weights once for all and attention as decode attention
-                         # per token; above, quantized layers dequantize + BLAS
+                         # per token; above, quantized layers run as GEMMs (q_gemm)
 PROMPT_BLOCK = 128       # queries per block of prompt attention
 X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
-DEQUANT_TILE_BYTES = 8 << 20   # a prompt GEMM's dequantized tile: any layer of the default model
+GEMM_ACT_BYTES = 256 << 10   # a prompt GEMM's block of tokens' int16 activations (in L2)
+DEQUANT_TILE_BYTES = 8 << 20   # an int8 head's dequantized tile in a prompt's GEMM
 REPACK_BYTES = 4 << 20         # codes unpacked one per byte at a time while repacking
 
 # Typing decode_layer's call of attention_decode warns (once, when the cache is cold) that a
@@ -254,49 +258,46 @@ def q_gemv(x, w, y, threads):
         _q_tiles(xp, sx, xsum, w, y, task * step, min(tiles, task * step + step))
 
 
-@njit(fastmath=True, cache=True)
-def _group_scales(w, k, gi, s, m):
-    """s, m float32 [LANES] = the scales and offsets of group gi of tile k of a QLinear w."""
-    groups = w.lo.shape[1] * 8 // w.group
-    s_div, m_div = groups // w.s.shape[1], groups // max(1, w.m.shape[1])
-    for j in range(simd.LANES):
-        s[j] = simd.as_float(w.s[k, gi // s_div, j])
-        if w.sq.shape[1]:
-            s[j] *= np.float32(w.sq[k, gi, j])
-        if w.m.shape[1]:
-            m[j] = simd.as_float(w.m[k, gi // m_div, j])
-            if w.mq.shape[1]:
-                m[j] *= np.float32(w.mq[k, gi, j])
-        else:
-            m[j] = -np.float32(w.zero) * s[j]
-
-
-@njit(fastmath=True, cache=True)
-def q_dequantize(w, c0, c1, dst):
-    """dst float32 [in, c1 - c0] = columns [c0, c1) of W.T of a QLinear w, c0 a multiple of
-    LANES. On one thread, on purpose: BLAS runs next, and OpenMP workers left spinning by a
-    parallel loop would take its cores for milliseconds, slowing every prompt GEMM several
-    times over."""
-    high = w.bits - 4
-    per = 32 // high if high else 32
-    hmask = (1 << high) - 1
-    s = np.empty(simd.LANES, np.float32)
-    m = np.empty(simd.LANES, np.float32)
-    for k in range(c0 // simd.LANES, (c1 + simd.LANES - 1) // simd.LANES):
-        n = min(simd.LANES, c1 - k * simd.LANES)
-        for gi in range(w.lo.shape[1] * 8 // w.group):
-            _group_scales(w, k, gi, s, m)
-            for i in range(gi * w.group, (gi + 1) * w.group):
-                lo, shift = w.lo[k, i // 8], simd.pair_shift(i % 8, 4)
-                row = dst[i, k * simd.LANES - c0:]    # views: indices from range() need no
-                if high:                               # wraparound check, which would keep the
-                    hi, hshift = w.hi[k, i // per], simd.pair_shift(i % per, high)   # loop from
-                    for j in range(n):                                                # vectorizing
-                        code = ((lo[j] >> shift) & 15) | (((hi[j] >> hshift) & hmask) << 4)
-                        row[j] = np.float32(code) * s[j] + m[j]
-                else:
-                    for j in range(n):
-                        row[j] = np.float32((lo[j] >> shift) & 15) * s[j] + m[j]
+@njit(parallel=_prange_only(), cache=True)
+def q_gemm(x, w, y, threads):
+    """y [T, out] = x [T, in] @ W.T for a prompt and a QLinear w, in integers as q_gemv does it
+    (each token's activations, sums and outputs are those of q_gemv), with a tile's codes taken
+    apart once for GEMM_TOKENS tokens (simd.gemm_dot4 ...). The tokens go in blocks whose
+    activations fit in GEMM_ACT_BYTES (the L2 cache); in each, `threads` tasks take runs of
+    tiles, a tile read from memory once per block and from L1 for its tokens."""
+    T, n_in = x.shape
+    n_out = y.shape[1]
+    N = simd.GEMM_TOKENS
+    padded = (T + N - 1) // N * N            # rows past T: zeros, outputs dropped
+    block = math.gcd(w.group, X_BLOCK)
+    xp = np.zeros((padded, n_in // 2), np.int32)
+    sx = np.zeros((padded, n_in // block), np.float32)
+    xsum = np.zeros((padded, n_in // block), np.float32)
+    for t in prange(T):
+        quantize_pairs(x[t], block, xp[t], sx[t], xsum[t])
+    tiles = w.lo.shape[0]
+    tasks = max(1, min(threads, tiles))
+    step = (tiles + tasks - 1) // tasks
+    rows = max(N, GEMM_ACT_BYTES // (2 * n_in) // N * N)
+    for t0 in range(0, padded, rows):
+        t1 = min(padded, t0 + rows)
+        for task in prange(tasks):
+            out = np.empty((N, simd.LANES), np.float32)
+            for k in range(task * step, min(tiles, task * step + step)):
+                c0 = k * simd.LANES
+                n = min(simd.LANES, n_out - c0)
+                for t in range(t0, t1, N):
+                    if w.bits == 4:
+                        simd.gemm_dot4(w, k, xp, sx, xsum, t, out)
+                    elif w.bits == 5:
+                        simd.gemm_dot5(w, k, xp, sx, xsum, t, out)
+                    elif w.bits == 6:
+                        simd.gemm_dot6(w, k, xp, sx, xsum, t, out)
+                    else:
+                        simd.gemm_dot8(w, k, xp, sx, xsum, t, out)
+                    for i in range(min(N, T - t)):
+                        for j in range(n):
+                            y[t + i, c0 + j] = out[i, j]
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
@@ -331,8 +332,9 @@ def gemv_rows(x, w, s, y, nchunk):
 
 @njit(fastmath=True, cache=True)
 def int8_dequantize(q, s, c0, c1, dst):
-    """dst float32 [in, c1 - c0] = columns [c0, c1) of (q * s[:, None]).T, on one thread (see
-    q_dequantize)."""
+    """dst float32 [in, c1 - c0] = columns [c0, c1) of (q * s[:, None]).T. On one thread, on
+    purpose: BLAS runs next, and OpenMP workers left spinning by a parallel loop would take its
+    cores for milliseconds, slowing every prompt GEMM several times over."""
     for r in range(c1 - c0):
         row, scale = q[c0 + r], s[c0 + r]
         for i in range(q.shape[1]):
@@ -408,7 +410,7 @@ def _swiglu_row(gu, y):
 @njit(fastmath=True, cache=True)
 def swiglu(gu):
     """gu [T, 2I] C-contiguous (the fused gate/up output, gate first) -> silu(gate) * up [T, I].
-    On one thread: a prompt's BLAS calls come before and after (see q_dequantize)."""
+    On one thread: a prompt's BLAS calls come before and after (see int8_dequantize)."""
     T, I = gu.shape[0], gu.shape[1] // 2
     y = np.empty((T, I), np.float32)
     for t in range(T):
@@ -579,7 +581,7 @@ def _masked_softmax(s, q_pos, k_pos, window, sums):
     """Scores s [M, B, n] of B queries at positions q_pos [B] (for M heads) over the slots of
     positions k_pos[:n] -> e**(score - row max) in place, 0 where a slot is hidden (free, after
     the query, or out of the window); sums [M, B] = the rows' sums. Branch-free inner loops
-    (they vectorize); on one thread, between two BLAS calls (see q_dequantize)."""
+    (they vectorize); on one thread, between two BLAS calls (see int8_dequantize)."""
     M, B, n = s.shape
     far = window if window > 0 else np.iinfo(np.int64).max
     for b in range(B):
@@ -712,10 +714,10 @@ class CpuBackend(reference.ReferenceBackend):
     def prepare_embedding(self, table: np.ndarray) -> np.ndarray:
         return table          # looked up a few rows at a time: stays as stored (mmap, f16 or f32)
 
-    def _prompt_linear(self, x: np.ndarray, w) -> np.ndarray:
-        """x [T, in] @ W.T for a prompt: W dequantized a tile of columns at a time into a scratch
-        buffer of at most DEQUANT_TILE_BYTES, each tile one BLAS GEMM, so that the buffer stays
-        small where a layer is large (the default model's LM head would take 113 MB)."""
+    def _int8_prompt(self, x: np.ndarray, w: Int8Rows) -> np.ndarray:
+        """x [T, in] @ W.T for a prompt and an int8 head: W dequantized a tile of columns at a
+        time into a scratch buffer of at most DEQUANT_TILE_BYTES, each tile one BLAS GEMM, so
+        that the buffer stays small (the default model's whole head would take 113 MB)."""
         n_out, n_in = w.shape
         cols = max(simd.LANES, DEQUANT_TILE_BYTES // (4 * n_in) // simd.LANES * simd.LANES)
         if self._scratch.size < n_in * cols:
@@ -724,10 +726,7 @@ class CpuBackend(reference.ReferenceBackend):
         for c0 in range(0, n_out, cols):
             c1 = min(n_out, c0 + cols)
             dst = self._scratch[:n_in * (c1 - c0)].reshape(n_in, c1 - c0)
-            if isinstance(w, QLinear):
-                q_dequantize(w, c0, c1, dst)
-            else:
-                int8_dequantize(w.q, w.s, c0, c1, dst)
+            int8_dequantize(w.q, w.s, c0, c1, dst)
             tiles.append(x @ dst)
         return tiles[0] if len(tiles) == 1 else np.concatenate(tiles, axis=1)
 
@@ -740,13 +739,14 @@ class CpuBackend(reference.ReferenceBackend):
             y = np.empty((T, w.shape[0]), np.float32)
             gemv_rows(x, w, _NO_SCALES, y, self.threads)
             return y
-        if T > SMALL_TOKENS:
-            return self._prompt_linear(x, w)
-        y = np.empty((T, w.shape[0]), np.float32)
         if isinstance(w, Int8Rows):
+            if T > SMALL_TOKENS:
+                return self._int8_prompt(x, w)
+            y = np.empty((T, w.shape[0]), np.float32)
             gemv_rows(x, w.q, w.s, y, self.threads)
-        else:
-            q_gemv(x, w, y, self.threads)
+            return y
+        y = np.empty((T, w.shape[0]), np.float32)
+        (q_gemm if T > SMALL_TOKENS else q_gemv)(x, w, y, self.threads)
         return y
 
     def fused_decode(self, layer, tokens: int) -> bool:

@@ -57,15 +57,16 @@ def _prefetch(builder, address):
     builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
-def _pair_sums(context, builder, planes, xp_ptr):
-    """IR: the int32 vector [LANES] of sums, over the code planes (w_ptr, bits, r0, r1, up) and
-    their word rows r in [r0, r1) and m < P = 16 / bits, of
+def _pair_sums(context, builder, planes, xp_ptrs):
+    """IR: for each token's pairs xp_ptrs[i] (pointing at its int32 [in/2]), the int32 vector
+    [LANES] of sums, over the code planes (w_ptr, bits, r0, r1, up) and their word rows r in
+    [r0, r1) and m < P = 16 / bits, of
     lo(c) * lo(xp[P r + m]) + hi(c) * hi(xp[P r + m]), c = ((w[r, j] >> bits m) & mask) << up
     (lo and hi: the 16-bit halves, mask keeping `bits` bits of each), w_ptr pointing at the
-    tile's row 0 (int32 [rows, LANES]), xp_ptr at the token's pairs (int32 [in/2]): the codes'
-    planes, each shifted to its place in the code, in one sum. Each row's load asks for the
-    memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the hardware's prefetch
-    alone leaves it waiting on memory (measured: 0.7x the time with it)."""
+    tile's row 0 (int32 [rows, LANES]): the codes' planes, each shifted to its place in the
+    code, in one sum. A word's codes are taken apart once for all the tokens. Each row's load
+    asks for the memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the
+    hardware's prefetch alone leaves it waiting on memory (measured: 0.7x the time with it)."""
     intp = context.get_value_type(types.intp)
     i8, i32 = ir.IntType(8), ir.IntType(32)
     vec = ir.VectorType(i32, LANES)                      # 16 x i32: one lane per output
@@ -73,8 +74,12 @@ def _pair_sums(context, builder, planes, xp_ptr):
     wide = ir.VectorType(i32, 2 * LANES)
     even = ir.Constant(vec, list(range(0, 2 * LANES, 2)))
     odd = ir.Constant(vec, list(range(1, 2 * LANES, 2)))
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(4)]
-    for acc in accs:
+    undef = ir.Constant(wide, ir.Undefined)
+    # independent sums in flight: a multiply-add waits for the one before it into the same sum
+    chains = max(1, 4 // len(xp_ptrs))
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(chains)]
+            for _ in xp_ptrs]
+    for acc in sum(accs, []):
         builder.store(ir.Constant(vec, None), acc)
 
     def const(v):
@@ -93,22 +98,25 @@ def _pair_sums(context, builder, planes, xp_ptr):
             _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
                                            [const(PREFETCH_BYTES)]))
             for m in range(pairs):
-                acc = accs[m % len(accs)]
-                pair = builder.load(builder.gep(xp_ptr, [builder.add(builder.mul(r, const(pairs)),
-                                                                     const(m))]))
-                x = _splat(builder, pair)
                 shift = bits * m - up                  # the code's bits m .. to bit `up`
                 codes = words if shift == 0 else (
                     builder.lshr(words, splat32(shift)) if shift > 0
                     else builder.shl(words, splat32(-shift)))
-                codes = builder.and_(codes, mask)
-                prod = builder.mul(builder.sext(builder.bitcast(codes, halves), wide),
-                                   builder.sext(builder.bitcast(x, halves), wide))
-                undef = ir.Constant(wide, ir.Undefined)
-                total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
-                builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
-    a = [builder.load(acc) for acc in accs]
-    return builder.add(builder.add(a[0], a[1]), builder.add(a[2], a[3]))
+                codes = builder.sext(builder.bitcast(builder.and_(codes, mask), halves), wide)
+                at = builder.add(builder.mul(r, const(pairs)), const(m))
+                for xp_ptr, token_accs in zip(xp_ptrs, accs):
+                    acc = token_accs[m % chains]
+                    x = _splat(builder, builder.load(builder.gep(xp_ptr, [at])))
+                    prod = builder.mul(codes, builder.sext(builder.bitcast(x, halves), wide))
+                    total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
+                    builder.store(builder.add(total, builder.shuffle_vector(prod, undef, odd)), acc)
+    sums = []
+    for token_accs in accs:
+        a = [builder.load(acc) for acc in token_accs]
+        while len(a) > 1:
+            a = [builder.add(a[i], a[i + 1]) for i in range(0, len(a), 2)]
+        sums.append(a[0])
+    return sums
 
 
 def _int8_vector(builder, ptr):
@@ -118,10 +126,11 @@ def _int8_vector(builder, ptr):
     return builder.sitofp(v, ir.VectorType(ir.FloatType(), LANES))
 
 
-def _tile_dot(bits: int):
+def _tile_dot(bits: int, tokens: int = 1):
     """The intrinsic tile_dot{bits}(w, k, xp, sx, xsum, t, out) for a layer w (kernels.cpu
-    QLinear) of `bits`-bit codes: out[j] (float32, j < LANES) = output LANES k + j of the layer
-    for token t, the sum over activation blocks b (in quantization group gi) of
+    QLinear) of `bits`-bit codes and `tokens` tokens t .. t+tokens-1: out[i, j] (float32
+    [tokens, LANES], contiguous; [LANES] for one token) = output LANES k + j of the layer for
+    token t + i, the sum over activation blocks b (in quantization group gi) of
         s[gi, j] * sx[t, b] * (integer dot of the block's codes and x_q)  +  m[gi, j] * xsum[t, b]
     xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs). The integer dot is
     pairwise multiply-adds of 16-bit codes and activations, 32 per instruction (x86 pmaddwd or
@@ -130,7 +139,8 @@ def _tile_dot(bits: int):
     tile's scale and offset arrays as kernels.quant defines them (a float times an optional
     int8; no offset array: m = -zero s), the arrays a layer lacks being empty (branches that
     go the same way for a whole layer). The LANES outputs stay in a register from the first
-    block to the last."""
+    block to the last. A token's outputs are the same sums in the same order whatever
+    `tokens` (codes taken apart once serve them all: a prompt's GEMM)."""
     high = bits - 4
 
     @intrinsic
@@ -178,8 +188,10 @@ def _tile_dot(bits: int):
             minus_zero = _splat(builder, builder.fsub(ir.Constant(ir.FloatType(), 0.0), zero))
             lo_ptr = pointer("lo", kv, const(0), const(0))
             hi_ptr = pointer("hi", kv, const(0), const(0)) if high else None
-            xp_ptr = pointer((args[2], xp_ty), tv, const(0))
-            total = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
+            xp_ptrs = [pointer((args[2], xp_ty), builder.add(tv, const(i)), const(0))
+                       for i in range(tokens)]
+            totals = [cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
+                      for _ in range(tokens)]
             s_acc = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
             m_acc = cgutils.alloca_once_value(builder, ir.Constant(fvec, None))
             # where block b falls: group gi, scale block si, offset block mi, each with the
@@ -202,7 +214,7 @@ def _tile_dot(bits: int):
                 if high:
                     h0 = builder.mul(b, hi_rows)
                     planes.append((hi_ptr, high, h0, builder.add(h0, hi_rows), 4))
-                dots = _pair_sums(context, builder, planes, xp_ptr)
+                dots = _pair_sums(context, builder, planes, xp_ptrs)
                 gi, si, mi = (builder.load(at[name]) for name in ("gi", "si", "mi"))
                 builder.store(_vector_at(builder, pointer("s", kv, si, const(0)), const(0),
                                          _is_half(field["s"][1])), s_acc)
@@ -222,17 +234,21 @@ def _tile_dot(bits: int):
                     with symmetric:
                         builder.store(builder.fmul(scales, minus_zero, flags=fast), m_acc)
                 offsets = builder.load(m_acc)
-                f = _splat(builder, builder.load(pointer((args[3], sx_ty), tv, b)))
-                xs = _splat(builder, builder.load(pointer((args[4], xsum_ty), tv, b)))
-                part = builder.fmul(scales, builder.fmul(f, builder.sitofp(dots, fvec), flags=fast),
-                                    flags=fast)
-                part = builder.fadd(part, builder.fmul(offsets, xs, flags=fast), flags=fast)
-                builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
+                for i, (dot, total) in enumerate(zip(dots, totals)):
+                    ti = builder.add(tv, const(i))
+                    f = _splat(builder, builder.load(pointer((args[3], sx_ty), ti, b)))
+                    xs = _splat(builder, builder.load(pointer((args[4], xsum_ty), ti, b)))
+                    part = builder.fmul(scales, builder.fmul(f, builder.sitofp(dot, fvec),
+                                                             flags=fast), flags=fast)
+                    part = builder.fadd(part, builder.fmul(offsets, xs, flags=fast), flags=fast)
+                    builder.store(builder.fadd(builder.load(total), part, flags=fast), total)
                 next_group = step("gi", "in_g", per_group, const(1))
                 step("si", "in_s", s_div, next_group)
                 step("mi", "in_m", m_div, next_group)
-            out_ptr = pointer((args[6], out_ty), const(0))
-            builder.store(builder.load(total), builder.bitcast(out_ptr, fvec.as_pointer()), align=4)
+            out_ptr = builder.bitcast(context.make_array(out_ty)(context, builder, args[6]).data,
+                                      fvec.as_pointer())
+            for i, total in enumerate(totals):
+                builder.store(builder.load(total), builder.gep(out_ptr, [const(i)]), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -244,6 +260,11 @@ tile_dot4 = _tile_dot(4)
 tile_dot5 = _tile_dot(5)
 tile_dot6 = _tile_dot(6)
 tile_dot8 = _tile_dot(8)
+GEMM_TOKENS = 8     # tokens per tile_dot of a prompt: their sums and outputs fill the registers
+gemm_dot4 = _tile_dot(4, GEMM_TOKENS)
+gemm_dot5 = _tile_dot(5, GEMM_TOKENS)
+gemm_dot6 = _tile_dot(6, GEMM_TOKENS)
+gemm_dot8 = _tile_dot(8, GEMM_TOKENS)
 
 
 def _rows_dot(R: int):

@@ -221,8 +221,9 @@ def test_autoawq_checkpoint_loads_and_runs(tmp_path, g, tied):
     ids = np.random.default_rng(5).integers(0, 320, 32)
     want = hf_logits(hf_model(tmp_path / "float"), ids)
     assert rel_err(_logits(tmp_path / "awq", ids), want) < 1e-5
-    # the CPU's kernels round activations to int16 per block
-    assert rel_err(_logits(tmp_path / "awq", ids, "cpu"), want) < 1e-4
+    # the CPU's kernels round a prompt's activations, as a decode step's, to int16 per block
+    # (about 1e-4 over this model's two layers)
+    assert rel_err(_logits(tmp_path / "awq", ids, "cpu"), want) < 3e-4
     import tinyrt
 
     assert tinyrt.LLM(tmp_path / "awq").generate("hello", max_tokens=4)  # runs end to end

@@ -40,8 +40,25 @@ def test_q_linear(bits, g, half, form, n_in, outs, T):
     assert prepared.lo.shape == (tiles, n_in // 8, 16) and prepared.shape == (sum(outs), n_in)
     assert prepared.hi.shape == (tiles, n_in * (bits - 4) // 32, 16) and prepared.bits == bits
     got = be.linear(x, prepared)
-    # one token at a time, the activations are rounded to int16 (1/65534 of a block's largest)
-    assert rel_err(got, ref.linear(x, w)) < (1e-4 if T <= cpu.SMALL_TOKENS else 1e-5)
+    # the activations are rounded to int16 (1/65534 of a block's largest)
+    assert rel_err(got, ref.linear(x, w)) < 1e-4
+
+
+@pytest.mark.parametrize("bits, g, half, form", FORMS[::3] + [(5, 32, True, "k")])
+@pytest.mark.parametrize("n_in, T", [(256, cpu.SMALL_TOKENS + 1), (4096, 45), (4096, 90)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_gemm_gives_each_token_its_gemv_result(bits, g, half, form, n_in, T, threads):
+    """A prompt's GEMM (GEMM_TOKENS tokens per pass over a tile; at 4096 inputs, tokens in
+    blocks of 32 whose activations fit GEMM_ACT_BYTES; T not a multiple of either) gives every
+    token the outputs the GEMV gives it alone, to the bit."""
+    p = cpu.repack([packed(n_in, 40, g, bits, half, form)])
+    x = rng.standard_normal((T, n_in)).astype(np.float32)
+    y = np.full((T, 40), np.nan, np.float32)
+    cpu.q_gemm(x, p, y, threads)
+    one = np.empty((1, 40), np.float32)
+    for t in range(T):
+        cpu.q_gemv(x[t:t + 1], p, one, 1)
+        assert np.array_equal(y[t], one[0]), t
 
 
 @pytest.mark.parametrize("T", [1, cpu.SMALL_TOKENS + 3])
