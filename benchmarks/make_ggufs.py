@@ -9,13 +9,20 @@
                      written tensor by tensor (~2.3 GB on disk, one tensor in memory at a time)
     tinyllama-q4km   its Q4_K_M (rows a multiple of 256: Q4_K with Q6_K for some tensors)
     tinyllama-q4_0   its Q4_0
+    llama3b-f16, llama3b-q4km, llama3b-q4_0   the same for Llama-3.2-3B's shape (hidden 3072,
+                     28 layers, 24 heads, 8 KV heads, FFN 8192, rope theta 5e5; its head untied
+                     here), ~6.4 GB in float16
+    llama7b-f16, llama7b-q4km, llama7b-q4_0   the same for Llama-2-7B's shape (hidden 4096,
+                     32 layers, 32 heads and KV heads, FFN 11008), ~13.7 GB in float16
 
-    python benchmarks/make_ggufs.py                        # all four, into /tmp/bench_gguf
+    python benchmarks/make_ggufs.py                        # the default model's and TinyLlama's
     python benchmarks/make_ggufs.py --out DIR tinyllama-f16 tinyllama-q4km
+    python benchmarks/make_ggufs.py llama7b-q4_0           # the float file first, then its Q4_0
     python benchmarks/make_ggufs.py --types FILE.gguf ...  # tensor types per tensor kind
 
-Files: DIR/smollm2-135m.Q4_K_M.gguf, DIR/tinyllama-shape.{f16,Q4_K_M,Q4_0}.gguf. A file that exists
-is kept (--force remakes it). The random weights are N(0, 0.02) (the output projections, attn_output
+Files: DIR/smollm2-135m.Q4_K_M.gguf, DIR/{tinyllama,llama3b,llama7b}-shape.{f16,Q4_K_M,Q4_0}.gguf.
+All use the default model's tokenizer (vocab 49152), so that both engines tokenize alike. A file
+that exists is kept (--force remakes it). The random weights are N(0, 0.02) (the output projections, attn_output
 and ffn_down, 0.02 / sqrt(2 * layers), as GPT-2 initializes them), norms 1 + N(0, 0.02), the same
 for a given --seed. Quantization is llama.cpp's own (`llama_cpp.llama_model_quantize` with the
 default parameters, allow_requantize on), so it needs `pip install llama-cpp-python gguf`.
@@ -34,12 +41,19 @@ import numpy as np
 
 DEFAULT_OUT = Path("/tmp/bench_gguf")
 SMOLLM2_Q4KM = "smollm2-135m.Q4_K_M.gguf"
-TINYLLAMA = "tinyllama-shape.{}.gguf"
+SHAPED = "{}-shape.{}.gguf"        # shape name, file type
 
-# TinyLlama-1.1B's shape (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json), with the
-# default model's vocabulary so that llama.cpp and tinyrt tokenize the same text the same way
-TINYLLAMA_SHAPE = dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, context=2048,
-                       rope_theta=10000.0, rms_eps=1e-5)
+# real models' shapes (from their config.json), with the default model's vocabulary so that
+# llama.cpp and tinyrt tokenize the same text the same way
+SHAPES = {
+    "tinyllama": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, context=2048,
+                      rope_theta=10000.0, rms_eps=1e-5),          # TinyLlama-1.1B
+    "llama3b": dict(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, context=8192,
+                    rope_theta=500000.0, rms_eps=1e-5),          # Llama-3.2-3B
+    "llama7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, context=4096,
+                    rope_theta=10000.0, rms_eps=1e-5),           # Llama-2-7B
+}
+QUANT_TYPES = {"q4km": ("Q4_K_M", "MOSTLY_Q4_K_M"), "q4_0": ("Q4_0", "MOSTLY_Q4_0")}
 
 
 def default_gguf() -> Path:
@@ -78,9 +92,9 @@ def tokenizer_fields(src: Path) -> list[tuple[str, object, object, object]]:
     return out
 
 
-def write_random_llama(dst: Path, tokenizer_src: Path, seed: int = 0, *, hidden: int, layers: int,
-                       heads: int, kv_heads: int, ffn: int, context: int, rope_theta: float,
-                       rms_eps: float) -> None:
+def write_random_llama(dst: Path, tokenizer_src: Path, seed: int = 0, *, name: str, hidden: int,
+                       layers: int, heads: int, kv_heads: int, ffn: int, context: int,
+                       rope_theta: float, rms_eps: float) -> None:
     """A float16 GGUF of a Llama of this shape with random weights (1-D tensors float32) and the
     tokenizer of `tokenizer_src`, streamed: each tensor is made, written and dropped in turn."""
     import gguf
@@ -106,7 +120,7 @@ def write_random_llama(dst: Path, tokenizer_src: Path, seed: int = 0, *, hidden:
 
     tmp = dst.with_name(dst.name + ".part")
     w = gguf.GGUFWriter(str(tmp), arch="llama")
-    w.add_name("tinyllama-shape random f16")
+    w.add_name(f"{name}-shape random f16")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_context_length(context)
     w.add_embedding_length(hidden)
@@ -160,14 +174,16 @@ def print_types(path: Path) -> None:
         print(f"  {kind:22s} " + ", ".join(f"{n} {t}" for t, n in c.most_common()))
 
 
-TARGETS = ["smollm2-q4km", "tinyllama-f16", "tinyllama-q4km", "tinyllama-q4_0"]
+TARGETS = ["smollm2-q4km"] + [f"{s}-{t}" for s in SHAPES for t in ("f16", *QUANT_TYPES)]
+DEFAULT_TARGETS = ["smollm2-q4km", "tinyllama-f16", "tinyllama-q4km", "tinyllama-q4_0"]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("targets", nargs="*", metavar="TARGET",
-                    help=f"what to build: {', '.join(TARGETS)} or all (default)")
+                    help=f"what to build: {', '.join(TARGETS)}, or all (default: "
+                         f"{', '.join(DEFAULT_TARGETS)})")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder (default {DEFAULT_OUT})")
     ap.add_argument("--source", type=Path, default=None,
                     help="the default model's GGUF (default: tinyrt's cached copy)")
@@ -183,29 +199,25 @@ def main() -> int:
         return 0
     if bad := [t for t in args.targets if t not in TARGETS + ["all"]]:
         ap.error(f"unknown target {bad[0]!r} (known: {', '.join(TARGETS)}, all)")
-    if not args.targets or "all" in args.targets:
-        targets = TARGETS
-    else:
-        targets = [t for t in TARGETS if t in args.targets]
+    asked = set(TARGETS if "all" in args.targets else args.targets or DEFAULT_TARGETS)
+    # a quantized file needs its float file (made if missing, not remade by --force)
+    needed = asked | {t.split("-")[0] + "-f16" for t in asked if t.split("-")[0] in SHAPES}
+    targets = [t for t in TARGETS if t in needed]
     args.out.mkdir(parents=True, exist_ok=True)
     source = args.source or default_gguf()
-    f16 = args.out / TINYLLAMA.format("f16")
-    jobs = {
-        "smollm2-q4km": (args.out / SMOLLM2_Q4KM,
-                         lambda d: quantize(source, d, "MOSTLY_Q4_K_M", args.threads)),
-        "tinyllama-f16": (f16,
-                          lambda d: write_random_llama(d, source, args.seed, **TINYLLAMA_SHAPE)),
-        "tinyllama-q4km": (args.out / TINYLLAMA.format("Q4_K_M"),
-                           lambda d: quantize(f16, d, "MOSTLY_Q4_K_M", args.threads)),
-        "tinyllama-q4_0": (args.out / TINYLLAMA.format("Q4_0"),
-                           lambda d: quantize(f16, d, "MOSTLY_Q4_0", args.threads)),
-    }
+    jobs = {"smollm2-q4km": (args.out / SMOLLM2_Q4KM,
+                             lambda d: quantize(source, d, "MOSTLY_Q4_K_M", args.threads))}
+    for shape, dims in SHAPES.items():
+        f16 = args.out / SHAPED.format(shape, "f16")
+        jobs[f"{shape}-f16"] = (f16, lambda d, shape=shape, dims=dims: write_random_llama(
+            d, source, args.seed, name=shape, **dims))
+        for t, (suffix, ftype) in QUANT_TYPES.items():
+            jobs[f"{shape}-{t}"] = (args.out / SHAPED.format(shape, suffix),
+                                    lambda d, f16=f16, ftype=ftype: quantize(f16, d, ftype,
+                                                                             args.threads))
     for name in targets:
         dst, make = jobs[name]
-        if name.startswith("tinyllama-q") and not f16.exists():
-            print(f"{name} needs {f16}: run tinyllama-f16 first", file=sys.stderr)
-            return 1
-        if dst.exists() and not args.force:
+        if dst.exists() and not (args.force and name in asked):
             print(f"{name}: {dst} exists (--force remakes it)")
         else:
             t = time.perf_counter()

@@ -240,17 +240,22 @@ def quantize_model(cfg: ModelConfig, get: Callable[[str], np.ndarray], calib: np
     linears = {n + ".weight" for n in model_class(cfg).linear_shapes(cfg)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        w_float = {n: get(n).astype(np.float32) for n in names if n.startswith(p)}
-        w = awq_layer(cfg, w_float, i, x, cos, sin, opts) if opts.method == "awq" else w_float
-        tensors, deq = {}, dict(w)
-        for n, t in w.items():
+        layer = [n for n in names if n.startswith(p)]
+        if x is None:        # RTN: one tensor in memory at a time, whatever the model's size
+            w_float, w = None, ((n, get(n).astype(np.float32)) for n in layer)
+        else:
+            w_float = {n: get(n).astype(np.float32) for n in layer}
+            w = awq_layer(cfg, w_float, i, x, cos, sin, opts).items()
+        tensors, deq = {}, {}
+        for n, t in w:
             if n not in linears:
-                tensors[n] = t
+                tensors[n] = deq[n] = t
                 continue
             module = n[:-len(".weight")]
             tensors.update({f"{module}.{part}": a
                             for part, a in pack_linear(t, opts.group_size, opts.bits).items()})
-            deq[n] = fake_quantize(t, opts.group_size, opts.bits)
+            if x is not None:
+                deq[n] = fake_quantize(t, opts.group_size, opts.bits)
         if x is not None and i + 1 < cfg.num_hidden_layers:
             x = layer_forward(cfg, x, deq if opts.propagate_quantized else w_float, i, cos, sin)
         yield p, tensors

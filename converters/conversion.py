@@ -85,7 +85,7 @@ def _float_tensors(source: Source, names: list[str], np_dtype, progress: Progres
 
 def _cast(a: np.ndarray, np_dtype, name: str, where) -> np.ndarray:
     with np.errstate(over="ignore"):  # checked just below, with a clearer message
-        b = a.astype(np_dtype)
+        b = a.astype(np_dtype, copy=False)
     if not np.isfinite(b).all():
         reason = "overflows float16 (convert with --dtype f32)" if np.isfinite(a).all() \
             else "holds inf or nan"

@@ -12,23 +12,29 @@ import numpy as np
 from tinyrt.kernels import awq_layout
 
 
-def _groups(w: np.ndarray, group_size: int) -> np.ndarray:
-    out, inp = w.shape
-    if inp % group_size:
-        raise ValueError(f"group size {group_size} does not divide {inp} input channels")
-    return w.reshape(out, inp // group_size, group_size)
+ROW_BYTES = 16 << 20     # float32 rows quantized at a time: the temporaries of a large layer
 
 
 def quantize(w: np.ndarray, group_size: int, bits: int = 4):
     """w [out, in] -> codes uint8 [out, in], scales float16 [out, in/g], zeros uint8 [out, in/g]."""
-    wg = _groups(w.astype(np.float32), group_size)
+    out, inp = w.shape
+    if inp % group_size:
+        raise ValueError(f"group size {group_size} does not divide {inp} input channels")
+    codes = np.empty((out, inp), np.uint8)
+    scales = np.empty((out, inp // group_size), np.float16)
+    zeros = np.empty((out, inp // group_size), np.uint8)
     qmax = 2 ** bits - 1
-    lo, hi = wg.min(axis=2), wg.max(axis=2)
-    scales = (np.maximum(hi - lo, 1e-5) / qmax).astype(np.float16)
-    s = scales.astype(np.float32)
-    zeros = np.clip(np.round(-lo / s), 0, qmax)
-    codes = np.clip(np.round(wg / s[..., None]) + zeros[..., None], 0, qmax)
-    return codes.reshape(w.shape).astype(np.uint8), scales, zeros.astype(np.uint8)
+    step = max(1, ROW_BYTES // (4 * inp))
+    for r in range(0, out, step):
+        wg = w[r:r + step].astype(np.float32).reshape(-1, inp // group_size, group_size)
+        lo, hi = wg.min(axis=2), wg.max(axis=2)
+        scales[r:r + step] = np.maximum(hi - lo, 1e-5) / qmax
+        s = scales[r:r + step].astype(np.float32)
+        z = np.clip(np.round(-lo / s), 0, qmax)
+        zeros[r:r + step] = z
+        q = np.clip(np.round(wg / s[..., None]) + z[..., None], 0, qmax)
+        codes[r:r + step] = q.reshape(len(q), inp)
+    return codes, scales, zeros
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> np.ndarray:

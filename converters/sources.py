@@ -13,7 +13,7 @@ import numpy as np
 from tinyrt.errors import ModelFormatError
 from tinyrt.gguf_tokenizer import tokenizer_files
 from tinyrt.models.gguf import GGUFFile
-from tinyrt.models.weights import WeightStore
+from tinyrt.models.weights import WeightStore, is_mapped
 
 # files of an HF directory that travel with the weights, as they are
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -26,10 +26,25 @@ class Source:
     path: Path
     config: dict
     shapes: dict[str, tuple[int, ...]]              # HF name -> shape, in file order
-    get: Callable[[str], np.ndarray]                # HF name -> float array in HF layout
+    get: Callable[[str], np.ndarray]                # HF name -> float array in HF layout, read
+                                                    # once (read_once): the caller's own
     files: dict[str, str | bytes] = field(default_factory=dict)  # file name -> contents
     generation_config: dict | None = None
     quantized: list[str] = field(default_factory=list)   # quantized types of its linear layers
+
+
+def read_once(get: Callable[[str], np.ndarray], release: Callable[[], None]
+              ) -> Callable[[str], np.ndarray]:
+    """`get` for a conversion, which reads each tensor once: each array is the caller's own (a
+    view of the mapped file is copied) and the file's pages leave the resident set after each
+    read. Pages read from a map stay resident until dropped, so a conversion would otherwise
+    end holding the whole source file in its RSS."""
+    def read(name: str) -> np.ndarray:
+        a = get(name)
+        a = np.array(a) if is_mapped(a) else a
+        release()
+        return a
+    return read
 
 
 def open_source(path: str | Path) -> Source:
@@ -48,7 +63,8 @@ def gguf_source(path: Path) -> Source:
     cfg = g.config()
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
     quantized = sorted(t.name for t in g.layer_types() if t.name not in ("F32", "F16", "BF16"))
-    return Source(path, cfg, g.hf_shapes(), g.hf_tensor, files, gen or None, quantized)
+    return Source(path, cfg, g.hf_shapes(), read_once(g.hf_tensor, g.release), files, gen or None,
+                  quantized)
 
 
 def hf_source(path: Path) -> Source:
@@ -72,4 +88,5 @@ def hf_source(path: Path) -> Source:
             gen = json.loads(gen_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise ModelFormatError(f"{gen_path} is not valid JSON") from None
-    return Source(path, cfg, {n: store.shape(n) for n in names}, store.get_float, files, gen)
+    return Source(path, cfg, {n: store.shape(n) for n in names},
+                  read_once(store.get_float, store.release), files, gen)

@@ -397,6 +397,11 @@ class GGUFFile:
     def tensor_type(self, name: str) -> GGMLQuantizationType:
         return self.tensors[name].tensor_type
 
+    def release(self) -> None:
+        """Drop the file's pages from this process's resident memory (views read later fault
+        them back in, from the OS's file cache)."""
+        release_pages(self._bytes)
+
     def raw(self, name: str) -> np.ndarray:
         """A tensor's stored bytes, uint8 [rows, bytes_per_row] (a read-only view of the file;
         rows = every dimension but the innermost)."""
@@ -530,7 +535,7 @@ class GGUFWeights(ModelWeights):
                                    else "lm_head")
 
     def release(self) -> None:
-        release_pages(self.file._bytes)
+        self.file.release()
 
     def float_fallbacks(self) -> dict[str, str]:
         """Linear tensors (GGUF name -> type) whose type has no quantized form in the runtime:

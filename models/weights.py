@@ -180,16 +180,26 @@ class WeightStore:
         return sum(e[3] for f in self.files for e in f.entries.values())
 
 
+def _mapped_root(a) -> np.ndarray | None:
+    """The array over a memory map that `a` is a view of, or None."""
+    root = a
+    while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
+        root = root.base
+    return root if isinstance(root, np.ndarray) and isinstance(root.base, mmap.mmap) else None
+
+
+def is_mapped(a) -> bool:
+    """Whether the array `a` is a view of a mapped file."""
+    return _mapped_root(a) is not None
+
+
 def release_pages(a) -> None:
     """Drop the pages of `a`, a NumPy view of a mapped file (or a table whose `pages` is one),
     from the resident set; they fault back in from the OS's file cache when read again. Other
     arrays: no-op."""
     a = getattr(a, "pages", a)
-    root = a
-    while isinstance(root, np.ndarray) and isinstance(root.base, np.ndarray):
-        root = root.base
-    if not isinstance(root, np.ndarray) or not isinstance(root.base, mmap.mmap) \
-            or not hasattr(mmap, "MADV_DONTNEED"):
+    root = _mapped_root(a)
+    if root is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
     start = a.ctypes.data - root.ctypes.data
     page = start - start % mmap.PAGESIZE

@@ -47,6 +47,33 @@ def test_sharded_bf16_hf_directory(tmp_path):
     assert rel_err(hf_logits(hf_model(out16), ids), want) < 1e-2  # transformers reads our output
 
 
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_a_source_reads_each_tensor_once_and_keeps_no_pages(tmp_path, kind):
+    """A conversion reads each tensor of its source once: the arrays are its own (no view of
+    the mapped file) and the file's pages leave the resident set after each read, so that a
+    conversion of a large model does not end holding the whole file in memory."""
+    from gguf_helpers import write_gguf
+    from test_weights import _rss_file_kb
+    from tinyrt.converters.sources import open_source
+    from tinyrt.models.weights import is_mapped
+
+    cfg = tiny_config(vocab_size=4096, hidden_size=1024, intermediate_size=256,
+                      num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
+    weights = random_weights(cfg, 2, np.float16 if kind == "gguf" else np.float32)
+    path = write_tiny_model(tmp_path / "hf", cfg, weights=weights)
+    if kind == "gguf":
+        tok = (path / "tokenizer.json").read_text()
+        path = tmp_path / "m.gguf"
+        weights = write_gguf(path, cfg, weights, tok, qtype="F16")
+    source = open_source(path)
+    start = _rss_file_kb()
+    for name, want in weights.items():
+        got = source.get(name)
+        assert not is_mapped(got)
+        np.testing.assert_array_equal(got, want)
+    assert _rss_file_kb() - start < 2 * 1024       # the embedding alone is 8 MiB or more
+
+
 def test_unexpected_tensors_are_refused(tmp_path):
     cfg = tiny_config()
     w = random_weights(cfg)
