@@ -697,10 +697,20 @@ class CpuBackend(reference.ReferenceBackend):
     name = "cpu"
 
     def __init__(self, threads: int | None = None):
+        from threadpoolctl import ThreadpoolController
+
         if threads is not None:
             numba.set_num_threads(threads)
         self.threads = numba.get_num_threads()
         self._scratch = np.empty(0, np.float32)
+        self._blas = ThreadpoolController()
+
+    def _one_blas_thread(self):
+        """A context in which BLAS runs on one thread, for its calls between the parallel Numba
+        kernels of a quantized model's prompt (attention, an int8 head): BLAS workers spin for
+        a while after each call before they sleep, and spinning on the cores the next Numba
+        kernel runs on, they slow it several times over."""
+        return self._blas.limit(limits=1, user_api="blas")
 
     def prepare_linear(self, parts: list):
         if all(isinstance(p, quant.QuantWeight) for p in parts):
@@ -727,7 +737,8 @@ class CpuBackend(reference.ReferenceBackend):
             c1 = min(n_out, c0 + cols)
             dst = self._scratch[:n_in * (c1 - c0)].reshape(n_in, c1 - c0)
             int8_dequantize(w.q, w.s, c0, c1, dst)
-            tiles.append(x @ dst)
+            with self._one_blas_thread():
+                tiles.append(x @ dst)
         return tiles[0] if len(tiles) == 1 else np.concatenate(tiles, axis=1)
 
     def linear(self, x: np.ndarray, w) -> np.ndarray:
@@ -781,7 +792,8 @@ class CpuBackend(reference.ReferenceBackend):
         # [G, S], writable (a read-only array would compile, and round, apart)
         k_pos = np.ascontiguousarray(k_pos if k_pos.ndim == 2 else np.tile(k_pos, (k.shape[0], 1)))
         if q.shape[0] > SMALL_TOKENS:
-            return attention_prompt(q, k, v, q_pos, k_pos, scale, window, score)
+            with self._one_blas_thread():
+                return attention_prompt(q, k, v, q_pos, k_pos, scale, window, score)
         # a few tokens (a draft's verification): decode attention, each query as if alone, the
         # later tokens' slots hidden by the causal mask; no BLAS call, whose spinning threads
         # would slow the Numba kernels around it
