@@ -136,10 +136,13 @@ def output_mse(forward: Callable[[list[np.ndarray]], np.ndarray], reference: np.
 
 
 def linear_mse(x: np.ndarray, w: np.ndarray) -> LossFn:
-    """Loss: MSE of x @ W'.T against x @ w.T, exactly, through the Gram matrix of x:
-    mean((x dW.T)^2) = sum((dW G) * dW) / (n out) with G = x.T x. Costs out*in^2, not n*in*out."""
-    gram = (x.T.astype(np.float64) @ x.astype(np.float64)).astype(np.float32)
+    """Loss: MSE of x @ W'.T against x @ w.T for x [n, in]. With more tokens than inputs,
+    through the Gram matrix of x: mean((x dW.T)^2) = sum((dW G) * dW) / (n out) with
+    G = x.T x, which costs out*in^2 instead of n*in*out."""
     n = x.shape[0] * w.shape[0]
+    if x.shape[0] <= x.shape[1]:
+        return lambda W: float(np.sum(np.square(x @ (W[0] - w).T)) / n)
+    gram = (x.T.astype(np.float64) @ x.astype(np.float64)).astype(np.float32)
     return lambda W: float(np.sum((W[0] - w) @ gram * (W[0] - w)) / n)
 
 

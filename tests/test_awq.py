@@ -77,6 +77,31 @@ def test_group_quantization_error_is_within_half_a_step(g, groups, out, scale):
     assert np.all(err <= bound)
 
 
+@pytest.mark.parametrize("g, bits", [(32, 4), (128, 4), (64, 3), (16, 8)])
+def test_the_compiled_quantizer_follows_its_definition(g, bits):
+    """quantize and fake_quantize (Numba loops) give exactly what the module docstring's
+    formulas give in NumPy float32, rounding half to even: on ties (weights on a quarter grid)
+    and flat groups too; fake_quantize is dequantize(quantize) exactly."""
+    rng = np.random.default_rng()
+    w = rng.standard_normal((37, 4 * g)).astype(np.float32)
+    w[::3] = np.round(w[::3] * 4) / 4
+    w[1, :g] = 0.25
+    wg = w.reshape(37, 4, g)
+    qmax = 2 ** bits - 1
+    lo, hi = wg.min(axis=2), wg.max(axis=2)
+    s16 = (np.maximum(hi - lo, np.float32(1e-5)) / np.float32(qmax)).astype(np.float16)
+    s = s16.astype(np.float32)
+    z = np.clip(np.round(-lo / s), 0, qmax)
+    q = np.clip(np.round(wg / s[..., None]) + z[..., None], 0, qmax)
+    codes, scales, zeros = quantize(w, g, bits)
+    np.testing.assert_array_equal(codes, q.reshape(w.shape))
+    np.testing.assert_array_equal(scales, s16)
+    np.testing.assert_array_equal(zeros, z)
+    want = ((q - z[..., None]) * s[..., None]).reshape(w.shape)
+    np.testing.assert_array_equal(fake_quantize(w, g, bits), want)
+    np.testing.assert_array_equal(dequantize(codes, scales, zeros), want)
+
+
 def test_pack_linear_dequantizes_to_the_fake_quantized_weight():
     w = np.random.default_rng().standard_normal((48, 64)).astype(np.float32)
     t = pack_linear(w, 32)
@@ -102,6 +127,9 @@ def test_scale_search_never_loses_to_plain_rounding():
     exact = output_mse(lambda W: x @ W[0].T, x @ w.T)
     W2 = [fake_quantize(w * s, 32) / s]
     assert exact(W2) == pytest.approx(loss(W2), rel=1e-3)   # the Gram form is exact
+    few = x[:40]                                            # fewer tokens than inputs: direct
+    assert linear_mse(few, w)(W2) == pytest.approx(
+        output_mse(lambda W: few @ W[0].T, few @ w.T)(W2), rel=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
