@@ -213,6 +213,16 @@ def quantize_pairs(x, block, xp, sx, xsum):
         xsum[b] = np.float32(total) * scale
 
 
+@njit(cache=True)
+def _activation_buffers(rows, n_in, group):
+    """Zeroed buffers xp int32 [rows, n_in/2], sx, xsum float32 [rows, n_in/block] for
+    quantize_pairs, and the block: at most X_BLOCK inputs, dividing the group size (a block
+    never spans two quantization groups). Rows left zero give zero outputs."""
+    block = math.gcd(group, X_BLOCK)
+    return (block, np.zeros((rows, n_in // 2), np.int32),
+            np.zeros((rows, n_in // block), np.float32), np.zeros((rows, n_in // block), np.float32))
+
+
 @njit(fastmath=True, cache=True)
 def _q_tiles(xp, sx, xsum, w, y, k0, k1):
     """Tiles k0 .. k1-1 of the GEMV of a QLinear w for T tokens' activations xp, sx, xsum
@@ -240,15 +250,11 @@ def _q_tiles(xp, sx, xsum, w, y, k0, k1):
 @njit(parallel=_prange_only(), cache=True)
 def q_gemv(x, w, y, threads):
     """y [T, out] = x [T, in] @ W.T for a few tokens and a QLinear w. The activations are
-    quantized to int16 in blocks of at most X_BLOCK inputs (a block never spans two
-    quantization groups: its size divides the group size), so the inner loop is integer
-    pairwise multiply-adds (simd); `threads` tasks take runs of tiles, each read from memory
-    once for all the tokens."""
+    quantized to int16 in blocks (_activation_buffers), so the inner loop is integer pairwise
+    multiply-adds (simd); `threads` tasks take runs of tiles, each read from memory once for
+    all the tokens."""
     T, n_in = x.shape
-    block = math.gcd(w.group, X_BLOCK)
-    xp = np.empty((T, n_in // 2), np.int32)
-    sx = np.empty((T, n_in // block), np.float32)
-    xsum = np.empty((T, n_in // block), np.float32)
+    block, xp, sx, xsum = _activation_buffers(T, n_in, w.group)
     for t in range(T):
         quantize_pairs(x[t], block, xp[t], sx[t], xsum[t])
     tiles = w.lo.shape[0]
@@ -269,10 +275,7 @@ def q_gemm(x, w, y, threads):
     n_out = y.shape[1]
     N = simd.GEMM_TOKENS
     padded = (T + N - 1) // N * N            # rows past T: zeros, outputs dropped
-    block = math.gcd(w.group, X_BLOCK)
-    xp = np.zeros((padded, n_in // 2), np.int32)
-    sx = np.zeros((padded, n_in // block), np.float32)
-    xsum = np.zeros((padded, n_in // block), np.float32)
+    block, xp, sx, xsum = _activation_buffers(padded, n_in, w.group)
     for t in prange(T):
         quantize_pairs(x[t], block, xp[t], sx[t], xsum[t])
     tiles = w.lo.shape[0]

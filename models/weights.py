@@ -87,8 +87,8 @@ class SafetensorsFile:
     def release(self) -> None:
         """Drop the file's pages from this process's resident memory (the mapping stays: views
         read later fault their pages back in, from the OS's file cache)."""
-        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self._map._mmap.madvise(mmap.MADV_DONTNEED)
+        if self._map is not None:
+            release_pages(self._map)
 
     def dtype(self, name: str) -> str:
         return self.entries[name][0]
