@@ -54,7 +54,6 @@ PROMPT_BLOCK = 128       # queries per block of prompt attention
 X_BLOCK = 128            # most inputs per int16 activation scale in a GEMV
 GEMM_ACT_BYTES = 256 << 10   # a prompt GEMM's block of tokens' int16 activations (in L2)
 DEQUANT_TILE_BYTES = 8 << 20   # an int8 head's dequantized tile in a prompt's GEMM
-REPACK_BYTES = 4 << 20         # codes unpacked one per byte at a time while repacking
 
 # Typing decode_layer's call of attention_decode warns (once, when the cache is cold) that a
 # parallel function had nothing to parallelize; its prange does run in parallel (measured: one
@@ -114,21 +113,43 @@ class Int8Rows(NamedTuple):
 # -- repacking, once at load ---------------------------------------------------------------------
 
 @njit(parallel=_prange_only(), cache=True)
-def _tile_codes(codes, shift, bits, dst):
-    """Bits shift .. shift+bits-1 of codes uint8 [out, in] (one per byte) -> the pair-planar
-    tiles dst int32 [tiles, in*bits/32, LANES] of those `bits`-bit values (zeroed; each
-    output's lane written once)."""
+def _tile_codes(codes, shift, bits, row0, dst):
+    """Bits shift .. shift+bits-1 of codes uint8 [out, in] (one per byte) -> rows row0 .. row0+out
+    of the pair-planar tiles dst int32 [tiles, in*bits/32, LANES] of those `bits`-bit values
+    (each output's lane written once)."""
     out, n_in = codes.shape
     per = 32 // bits
     mask = (1 << bits) - 1
     for o in prange(out):
-        k, j = o // simd.LANES, o % simd.LANES
+        k, j = (row0 + o) // simd.LANES, (row0 + o) % simd.LANES
         for r in range(n_in // per):
             word = np.uint32(0)
             for t in range(per):
                 value = (np.uint32(codes[o, r * per + t]) >> np.uint32(shift)) & np.uint32(mask)
                 word |= value << np.uint32(simd.pair_shift(t, bits))
             dst[k, r, j] = np.int32(word)
+
+
+@njit(parallel=_prange_only(), cache=True)
+def _tile_nibbles(codes, row0, dst):
+    """_tile_codes of 4-bit codes packed two per byte (kernels.quant's packing: input 2b in the
+    low nibble of byte b, 2b + 1 in its high nibble) [out, in/2], without unpacking them: the
+    4 bytes of 8 inputs hold the even inputs in their low nibbles and the odd in their high;
+    the tile's word wants the even inputs' nibbles side by side in its low 16 bits and the odd
+    inputs' in its high 16 (simd.pair_shift)."""
+    out, n_bytes = codes.shape
+    for o in prange(out):
+        k, j = (row0 + o) // simd.LANES, (row0 + o) % simd.LANES
+        for r in range(n_bytes // 4):
+            u = (np.uint32(codes[o, 4 * r]) | (np.uint32(codes[o, 4 * r + 1]) << np.uint32(8))
+                 | (np.uint32(codes[o, 4 * r + 2]) << np.uint32(16))
+                 | (np.uint32(codes[o, 4 * r + 3]) << np.uint32(24)))
+            even, odd = u & np.uint32(0x0F0F0F0F), (u >> np.uint32(4)) & np.uint32(0x0F0F0F0F)
+            even = (even | (even >> np.uint32(4))) & np.uint32(0x00FF00FF)
+            odd = (odd | (odd >> np.uint32(4))) & np.uint32(0x00FF00FF)
+            even = (even | (even >> np.uint32(8))) & np.uint32(0xFFFF)
+            odd = (odd | (odd >> np.uint32(8))) & np.uint32(0xFFFF)
+            dst[k, r, j] = np.int32(even | (odd << np.uint32(16)))
 
 
 def _planes_fit(bits: int, group: int) -> int:
@@ -141,21 +162,22 @@ def _planes_fit(bits: int, group: int) -> int:
 
 
 def repack(parts: list) -> QLinear:
-    """Quantized layers (quant.QuantWeight) that share an input -> one QLinear (quant.concat
-    gives the parts a common form first, exactly)."""
-    w = quant.concat(parts)
-    (out, n_in), g = w.shape, w.group_size
-    bits = _planes_fit(w.bits, g)
+    """Quantized layers (quant.QuantWeight) that share an input -> one QLinear in the common form
+    quant.concat gives them (exact), each part's codes tiled straight from its own rows."""
+    code_bits, g, w = quant.fused_form(parts)
+    out, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    bits = _planes_fit(code_bits, g)
     tiles = -(-out // simd.LANES)
     planes = [np.zeros((tiles, n_in * b // 32, simd.LANES), np.int32) for b in (4, bits - 4)]
-    # the codes one per byte a few rows at a time: a whole layer's would double its size at load
-    step = max(simd.LANES, REPACK_BYTES // n_in // simd.LANES * simd.LANES)
-    for r0 in range(0, out, step):
-        codes = quant.unpack(w.rows(slice(r0, r0 + step)))
-        for dst, shift, b in ((planes[0], 0, 4), (planes[1], 4, bits - 4)):
-            if b:
-                _tile_codes(codes, shift, b, dst[r0 // simd.LANES:])
-    floats = [a for a in (w.scale, w.offset) if a is not None]
+    row0 = 0
+    for p in parts:
+        if p.bits == 4:                   # packed; no high bits
+            _tile_nibbles(p.codes, row0, planes[0])
+        else:
+            for dst, shift, b in ((planes[0], 0, 4), (planes[1], 4, bits - 4)):
+                _tile_codes(p.codes, shift, b, row0, dst)
+        row0 += p.shape[0]
+    floats = [a for a in (w["scale"], w["offset"]) if a is not None]
     dtype = np.result_type(*floats)          # one float type for both: fewer compiled variants
 
     def in_tiles(a, dtype):       # [out, n] -> [tiles, n, LANES], zeros after out; None: empty
@@ -164,8 +186,9 @@ def repack(parts: list) -> QLinear:
         t = np.ascontiguousarray(padded.reshape(tiles, simd.LANES, -1).transpose(0, 2, 1))
         return t.view(np.uint16) if t.dtype == np.float16 else t
 
-    return QLinear(*planes, in_tiles(w.scale, dtype), in_tiles(w.scale_q, np.int8),
-                   in_tiles(w.offset, dtype), in_tiles(w.offset_q, np.int8), w.zero, bits, g, out)
+    return QLinear(*planes, in_tiles(w["scale"], dtype), in_tiles(w["scale_q"], np.int8),
+                   in_tiles(w["offset"], dtype), in_tiles(w["offset_q"], np.int8), w["zero"], bits,
+                   g, out)
 
 
 @njit(parallel=_prange_only(), cache=True, error_model="numpy")

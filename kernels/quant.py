@@ -86,16 +86,18 @@ class QuantWeight(NamedTuple):
 
 
 def _float(a: np.ndarray | None) -> np.ndarray | None:
-    """float32/float64 values -> float16 if each is one exactly, else float32 (ValueError if
-    a value is not a float32 exactly)."""
+    """float16/32/64 values -> float16 if each is one exactly, else float32 (ValueError if a
+    value is not a float32 exactly)."""
     if a is None:
         return None
+    if a.dtype == np.float16:                  # each one a float16 and a float32 already
+        return np.ascontiguousarray(a)
     a32 = np.asarray(a).astype(np.float32)
-    if not np.array_equal(a32, a):
+    if not np.array_equal(a32, a, equal_nan=True):
         raise ValueError("scales and offsets must be float32 values")
     with np.errstate(over="ignore"):
         a16 = a32.astype(np.float16)
-    return np.ascontiguousarray(a16 if np.array_equal(a16, a32) else a32)
+    return np.ascontiguousarray(a16 if np.array_equal(a16, a32, equal_nan=True) else a32)
 
 
 def _int8(a: np.ndarray | None) -> np.ndarray | None:
@@ -193,19 +195,20 @@ def flat(w: QuantWeight, bits: int) -> QuantWeight:
     return make(codes, bits, s, m, packed=bits == 4)
 
 
-def concat(parts: list[QuantWeight]) -> QuantWeight:
-    """Layers sharing an input, side by side along the output, in one QuantWeight: codes of the
-    most bits, groups of the greatest common size, each scale and offset array at the finest
-    division any part has (values repeated, sub-scales of 1 and offsets -zero * scale where a
-    part has none): exact, and as compact as the parts allow."""
+def fused_form(parts: list[QuantWeight]) -> tuple[int, int, dict]:
+    """What `concat(parts)` makes of layers sharing an input, but their codes: (bits, inputs per
+    group, make's scale and offset arguments). A backend that tiles each part's codes itself
+    needs no copy of them side by side."""
     n_in = parts[0].shape[1]
     if any(p.shape[1] != n_in for p in parts):
         raise ValueError("fused layers must share their input size")
-    if len(parts) == 1:
-        return parts[0]
     bits = max(p.bits for p in parts)
-    groups = n_in // math.gcd(*(p.group_size for p in parts))
-    codes = np.concatenate([p.codes if p.bits == bits else unpack(p) for p in parts])
+    group = math.gcd(*(p.group_size for p in parts))
+    if len(parts) == 1:
+        p = parts[0]
+        return bits, group, dict(scale=p.scale, scale_q=p.scale_q, offset=p.offset,
+                                 offset_q=p.offset_q, zero=p.zero)
+    groups = n_in // group
 
     def ints(get):                      # a per-group integer array of every part, or None
         arrays = [get(p) for p in parts]
@@ -213,19 +216,32 @@ def concat(parts: list[QuantWeight]) -> QuantWeight:
             return None
         arrays = [np.ones((p.shape[0], 1), np.int8) if a is None else a
                   for p, a in zip(parts, arrays)]
-        return np.concatenate([np.repeat(a, groups // a.shape[1], axis=1) for a in arrays])
+        return _int8(np.concatenate([np.repeat(a, groups // a.shape[1], axis=1) for a in arrays]))
 
     def floats(arrays):
+        if len({(a.dtype, a.shape[1]) for a in arrays}) == 1:    # alike: side by side as they are
+            return _float(np.concatenate(arrays))
         cols = math.lcm(*(a.shape[1] for a in arrays))
-        return np.concatenate([_per_group(a, cols) for a in arrays])
+        return _float(np.concatenate([_per_group(a, cols) for a in arrays]))
 
-    scale, scale_q = floats([p.scale for p in parts]), ints(lambda p: p.scale_q)
+    form = dict(scale=floats([p.scale for p in parts]), scale_q=ints(lambda p: p.scale_q))
     zeros = {p.zero for p in parts}
     if all(p.offset is None for p in parts) and len(zeros) == 1:
-        return make(codes, bits, scale, scale_q=scale_q, zero=zeros.pop(), packed=bits == 4)
+        return bits, group, dict(form, offset=None, offset_q=None, zero=zeros.pop())
     # a part without offsets takes -zero * scale (and its sub-scales as offset sub-scales)
     offset = floats([p.offset if p.offset is not None else -p.zero * p.scale.astype(np.float64)
                      for p in parts])
     offset_q = ints(lambda p: p.offset_q if p.offset is not None else p.scale_q)
-    return make(codes, bits, scale, offset, scale_q=scale_q, offset_q=offset_q,
-                packed=bits == 4)
+    return bits, group, dict(form, offset=offset, offset_q=offset_q, zero=0)
+
+
+def concat(parts: list[QuantWeight]) -> QuantWeight:
+    """Layers sharing an input, side by side along the output, in one QuantWeight: codes of the
+    most bits, groups of the greatest common size, each scale and offset array at the finest
+    division any part has (values repeated, sub-scales of 1 and offsets -zero * scale where a
+    part has none): exact, and as compact as the parts allow."""
+    bits, _, form = fused_form(parts)
+    if len(parts) == 1:
+        return parts[0]
+    codes = np.concatenate([p.codes if p.bits == bits else unpack(p) for p in parts])
+    return make(codes, bits, packed=bits == 4, **form)

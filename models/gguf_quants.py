@@ -6,7 +6,8 @@ where each is decoded.
 
 A 2-D GGUF weight W [out, in] is stored row after row (one row per output), each row a run of
 blocks along the input; `raw` is those bytes, uint8 [out, bytes_per_row]. Everything is NumPy on
-whole tensors (no loop over blocks). All multi-byte fields are little-endian.
+whole tensors (no loop over blocks), but the 4-bit codes' repacking, compiled (most of a
+model's bytes). All multi-byte fields are little-endian.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from numba import njit, prange
 
 from tinyrt.kernels.quant import QuantWeight, make
 
@@ -30,9 +32,19 @@ def _blocks(raw: np.ndarray, qtype: Q) -> np.ndarray:
     return raw.reshape(raw.shape[0], raw.shape[1] // size, size)
 
 
+@njit(parallel=True, cache=True)
+def _halves(b, at, out):
+    for r in prange(b.shape[0]):
+        for k in range(b.shape[1]):
+            out[r, k] = np.uint16(b[r, k, at]) | (np.uint16(b[r, k, at + 1]) << np.uint16(8))
+
+
 def _f16(b: np.ndarray, at: int) -> np.ndarray:
-    """The float16 at byte `at` of every block, as float32 [rows, blocks]."""
-    return np.ascontiguousarray(b[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+    """The float16 at byte `at` of every block [rows, blocks] (compiled: NumPy's copy of a
+    strided 2-byte field is slow, and a 7B model's Q4_0 has 200 million of them)."""
+    out = np.empty(b.shape[:2], np.uint16)
+    _halves(b, at, out)
+    return out.view(np.float16)
 
 
 def _flat(x: np.ndarray) -> np.ndarray:
@@ -46,11 +58,53 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def _pack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """The same values as `_nibbles`, packed as kernels.quant packs 4-bit codes (value 2j in the
-    low nibble of byte j, 2j + 1 in its high nibble), without unpacking: [..., n] -> [..., n]."""
-    even, odd = qs[..., 0::2], qs[..., 1::2]
-    return np.concatenate([(even & 15) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+@njit(cache=True)
+def _u64(a, at):
+    """The 8 bytes a[at : at + 8] as a little-endian uint64."""
+    v = np.uint64(0)
+    for i in range(8):
+        v |= np.uint64(a[at + i]) << np.uint64(8 * i)
+    return v
+
+
+@njit(cache=True)
+def _pair(x):
+    """uint64 of 8 nibbles, one in the low half of each byte -> those 8 packed two per byte in
+    the low 4 bytes (byte j: nibble 2j low, 2j + 1 high)."""
+    x = (x | (x >> np.uint64(4))) & np.uint64(0x00FF00FF00FF00FF)
+    x = (x | (x >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+    return (x | (x >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
+
+
+@njit(parallel=True, cache=True)
+def _pack_rows(raw, block, at, n, chunks, out):
+    """The loop of `_pack_nibbles` over each row of raw uint8 [rows, blocks * block]: in every
+    block, `chunks` runs of n bytes (n a multiple of 16) from byte `at` on -> out, uint64
+    [rows, blocks * chunks * n / 8], 16 bytes (32 values) at a time."""
+    low, half = np.uint64(0x0F0F0F0F0F0F0F0F), n // 2
+    for r in prange(raw.shape[0]):
+        row, dst_row = raw[r], out[r]
+        for b in range(raw.shape[1] // block):
+            for c in range(chunks):
+                src, dst = b * block + at + c * n, (b * chunks + c) * n
+                for j in range(0, n, 16):
+                    v0, v1 = _u64(row, src + j), _u64(row, src + j + 8)
+                    lo = _pair(v0 & low) | (_pair(v1 & low) << np.uint64(32))
+                    hi = _pair((v0 >> np.uint64(4)) & low) | \
+                        (_pair((v1 >> np.uint64(4)) & low) << np.uint64(32))
+                    dst_row[(dst + j // 2) // 8] = lo
+                    dst_row[(dst + half + j // 2) // 8] = hi
+
+
+def _pack_nibbles(raw: np.ndarray, block: int, at: int, n: int, chunks: int = 1) -> np.ndarray:
+    """The 4-bit values of raw uint8 [rows, blocks * block], in each block `chunks` runs of n
+    bytes from byte `at` on, each run's low nibbles holding its values 0..n-1 and its high
+    nibbles values n..2n-1 (ggml's order in every 4-bit layout), packed as kernels.quant packs
+    4-bit codes (value 2j in the low nibble of byte j, 2j + 1 in its high nibble), without
+    unpacking: -> [rows, blocks * chunks * n]. Compiled: a 7B model's codes take one pass."""
+    out = np.empty((raw.shape[0], raw.shape[1] // block * chunks * n), np.uint8)
+    _pack_rows(raw, block, at, n, chunks, out.view(np.uint64))
+    return out
 
 
 def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,14 +127,14 @@ def q4_0(raw: np.ndarray) -> QuantWeight:
     """block_q4_0, 32 values in 18 bytes: d f16 | qs[16]. Value j (j < 16) is the low nibble of
     qs[j], value j + 16 its high nibble; w = d * (q - 8) -> scale d, zero 8."""
     b = _blocks(raw, Q.Q4_0)
-    return make(_flat(_pack_nibbles(b[..., 2:18])), 4, _f16(b, 0), zero=8, packed=True)
+    return make(_pack_nibbles(raw, 18, 2, 16), 4, _f16(b, 0), zero=8, packed=True)
 
 
 def q4_1(raw: np.ndarray) -> QuantWeight:
     """block_q4_1, 32 values in 20 bytes: d f16 | m f16 | qs[16], nibbles as Q4_0;
     w = d * q + m -> scale d, offset m."""
     b = _blocks(raw, Q.Q4_1)
-    return make(_flat(_pack_nibbles(b[..., 4:20])), 4, _f16(b, 0), _f16(b, 2), packed=True)
+    return make(_pack_nibbles(raw, 20, 4, 16), 4, _f16(b, 0), _f16(b, 2), packed=True)
 
 
 def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -123,8 +177,7 @@ def q4_k(raw: np.ndarray) -> QuantWeight:
     go in 4 chunks of 64, chunk c from qs[32c : 32c + 32]: its first 32 values (sub-block 2c) are
     the low nibbles, the next 32 (sub-block 2c + 1) the high nibbles."""
     b = _blocks(raw, Q.Q4_K)
-    qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)
-    return make(_flat(_pack_nibbles(qs)), 4, packed=True, **_k_groups(b))
+    return make(_pack_nibbles(raw, 144, 16, 32, 4), 4, packed=True, **_k_groups(b))
 
 
 def q5_k(raw: np.ndarray) -> QuantWeight:

@@ -142,15 +142,16 @@ def test_pair_planar_tiles(bits):
     assert not p.lo[1, :, 8:].any() and not p.hi[1, :, 8:].any() and not p.s[1, :, 8:].any()
 
 
-@pytest.mark.parametrize("bits", [4, 6])
-def test_repack_in_row_chunks(monkeypatch, bits):
-    """Repacking a few rows at a time (REPACK_BYTES) gives the tiles of repacking all at once:
-    chunks of one tile each, the last tile part-filled."""
-    w = packed(64, 72, 16, bits, True, "zero-k")
-    whole = cpu.repack([w])
-    monkeypatch.setattr(cpu, "REPACK_BYTES", 1)
-    chunked = cpu.repack([w])
-    for a, b in zip(whole, chunked):
+@pytest.mark.parametrize("outs", [[72], [40, 40, 24], [16, 9, 23]])
+@pytest.mark.parametrize("forms", [[(4, 32, "k")], [(6, 16, "zero-k")],
+                                   [(4, 32, "zero"), (8, 32, "zero"), (4, 16, "offset")]])
+def test_parts_tile_at_their_rows(outs, forms):
+    """Each part's codes tiled at its own rows (tiles split between parts, packed 4-bit codes
+    beside 8-bit ones) give the tiles of the layer quant.concat makes of the parts."""
+    parts = [packed(64, o, g, bits, True, form)
+             for o, (bits, g, form) in zip(outs, forms * len(outs))]
+    fused = cpu.repack([quant.concat(parts)])
+    for a, b in zip(cpu.repack(parts), fused):
         assert np.array_equal(a, b)
 
 
