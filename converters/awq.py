@@ -60,11 +60,16 @@ class QuantOptions:
     propagate_quantized: bool = True  # next layer's input: the quantized layer's output (else float)
 
 
+def layer_weights(cfg: ModelConfig) -> int:
+    """The weights of one decoder layer's linears."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return 2 * cfg.q_size * H + 2 * cfg.kv_size * H + 3 * H * I
+
+
 def peak_bytes(cfg: ModelConfig, n_tokens: int) -> int:
     """Estimated peak of the calibration above the interpreter's (see the module docstring)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
-    layer = 2 * cfg.q_size * H + 2 * cfg.kv_size * H + 3 * H * I
-    return 4 * (n_tokens * (8 * H + 4 * I) + 3 * layer + 2 * cfg.vocab_size * H)
+    return 4 * (n_tokens * (8 * H + 4 * I) + 3 * layer_weights(cfg) + 2 * cfg.vocab_size * H)
 
 
 # -- the model's own layer, batched over calibration sequences -----------------------------------

@@ -139,17 +139,19 @@ def _checked(specs, named: Iterator[tuple[str, np.ndarray]]) -> Iterator[np.ndar
 
 def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str = "f16",
             bits: int = 4, group_size: int | None = None, calib: str | Path | None = None,
-            calib_samples: int = calibration.DEFAULT_SAMPLES,
+            calib_samples: int | None = None,
             calib_seqlen: int = calibration.DEFAULT_SEQLEN, clip: bool = True,
             duo_scaling: bool = True, seed: int = 0, force: bool = False,
             progress: Progress | None = None, notice: Callable[[str], None] | None = None) -> Path:
     """Convert `src` into the model directory `out`.
 
     method "none" keeps float weights of `dtype`; "rtn" and "awq" quantize every decoder linear to
-    4-bit groups (AWQ calibrates on `calib`, by default the Python documentation); the other
-    tensors are stored as `dtype`. Written to a temporary directory and renamed into place when
-    complete. `notice(text)` hears of anything the user should know before it starts (a
-    source whose weights are quantized already)."""
+    4-bit groups (AWQ calibrates on `calib`, by default the Python documentation, in
+    `calib_samples` windows of `calib_seqlen` tokens, by default as many as
+    calibration.default_samples chooses for this machine); the other tensors are stored as
+    `dtype`. Written to a temporary directory and renamed into place when complete.
+    `notice(text)` hears of anything the user should know before it starts (a source whose
+    weights are quantized already, the calibration size chosen)."""
     if method not in METHODS:
         raise TinyrtError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     if dtype not in FLOAT_DTYPES:
@@ -192,8 +194,16 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
             if method == "awq":
                 from tinyrt.tokenizer import load_tokenizer
 
+                n = calib_samples if calib_samples is not None else \
+                    calibration.default_samples(cfg, calib_seqlen)
                 calib_ids = calibration.calibration_ids(load_tokenizer(tmp).encode, calib_text,
-                                                        calib_samples, calib_seqlen, seed)
+                                                        n, calib_seqlen, seed,
+                                                        at_most=calib_samples is None)
+                if notice and calib_samples is None:
+                    notice(f"calibrating on {len(calib_ids)} samples of {calib_seqlen} tokens, "
+                           "as many as this machine's cores search in about "
+                           f"{calibration.SEARCH_BUDGET_S // 60} minutes (--calib-samples "
+                           f"{calibration.PAPER_SAMPLES} for the AWQ paper's size)")
             specs = _quantized_specs(cfg, g, np_dtype)
             named = _quantized_tensors(source, cfg, opts, calib_ids, np_dtype, progress)
         write_safetensors(tmp / "model.safetensors", specs, _checked(specs, named),

@@ -300,6 +300,57 @@ def test_calibration_json_lines(tmp_path):
     assert np.all(ids % 10 == np.arange(10))                     # whole, aligned windows
 
 
+def _shape(hidden, ffn, layers, heads, kv_heads) -> ModelConfig:
+    return ModelConfig.from_dict(dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                                      hidden_size=hidden, intermediate_size=ffn,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, vocab_size=32000))
+
+
+def test_default_calibration_size_follows_the_machine():
+    """The default calibration takes as many samples as the cores search in the time budget:
+    more with more cores, fewer for a larger model, from 4 to the paper's 128, and no more than
+    half the available memory holds."""
+    from tinyrt.converters.awq import peak_bytes
+    from tinyrt.converters.calibration import MIN_SAMPLES, PAPER_SAMPLES, default_samples
+
+    small, large = _shape(576, 1536, 30, 9, 3), _shape(4096, 11008, 32, 32, 32)
+    lots = 1 << 40
+    by_cores = [default_samples(small, 512, c, lots) for c in (1, 2, 4, 8, 16, 1024)]
+    assert by_cores == sorted(by_cores) and by_cores[0] == MIN_SAMPLES < by_cores[3]
+    assert by_cores[-1] == PAPER_SAMPLES
+    assert default_samples(large, 512, 16, lots) < default_samples(small, 512, 16, lots)
+    assert default_samples(large, 512, 1, lots) == MIN_SAMPLES         # never fewer
+    assert default_samples(small, 512, 1024, 0) == MIN_SAMPLES         # memory: none to spare
+    memory = 2 * peak_bytes(small, 20 * 512)
+    assert default_samples(small, 512, 1024, memory) == 20
+
+
+def test_default_calibration_size_is_said_and_fits_the_text(tmp_path, monkeypatch):
+    """A conversion without --calib-samples says how many samples it calibrates on and takes
+    no more than the text holds; a size given is kept (and a text too short for it refused)."""
+    from tinyrt.converters import calibration
+
+    src = write_tiny_model(tmp_path / "m", tiny_config())
+    f = tmp_path / "calib.txt"
+    f.write_text(" ".join(CORPUS.split()[:200]))
+    monkeypatch.setattr(calibration, "default_samples", lambda cfg, seqlen: 1000)
+    notices = []
+    convert(src, tmp_path / "out", method="awq", calib=f, calib_seqlen=16, notice=notices.append)
+    windows = len(_tokenizer(src).encode(f.read_text())) // 16
+    assert calibration.MIN_SAMPLES < windows < 1000
+    assert len(notices) == 1 and f"calibrating on {windows} samples of 16 tokens" in notices[0]
+    with pytest.raises(TinyrtError, match="too short"):
+        convert(src, tmp_path / "out2", method="awq", calib=f, calib_seqlen=16,
+                calib_samples=windows + 1)
+
+
+def _tokenizer(model_dir):
+    from tinyrt.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
 @pytest.mark.parametrize("method, stop_at", [("none", 5), ("awq", 1)])   # tensors / layers done
 def test_interrupted_conversion_leaves_nothing(tmp_path, method, stop_at):
     src = write_tiny_model(tmp_path / "m", tiny_config())

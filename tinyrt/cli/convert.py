@@ -29,8 +29,11 @@ def add_parser(sub) -> None:
     c.add_argument("--calib", default=None, metavar="FILE",
                    help="plain text or JSON lines with a 'text' field (default: the Python "
                         "documentation shipped with Python)")
-    c.add_argument("--calib-samples", type=int, default=calibration.DEFAULT_SAMPLES, metavar="N",
-                   help="calibration sequences (default %(default)s)")
+    c.add_argument("--calib-samples", type=int, default=None, metavar="N",
+                   help="calibration sequences (default: as many as this machine's cores search "
+                        f"in about {calibration.SEARCH_BUDGET_S // 60} minutes, "
+                        f"{calibration.MIN_SAMPLES} to {calibration.PAPER_SAMPLES}, the AWQ "
+                        "paper's size)")
     c.add_argument("--calib-seqlen", type=int, default=calibration.DEFAULT_SEQLEN, metavar="N",
                    help="tokens per calibration sequence (default %(default)s)")
     c.add_argument("--no-clip", action="store_true", help="skip the clipping search")
