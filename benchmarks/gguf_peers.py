@@ -31,6 +31,10 @@ its error, and the other engine's figures are still printed.
     python benchmarks/gguf_peers.py $D $G/smollm2-135m.Q4_K_M.gguf \\
         --ppl ../shared/data/wikitext2-test.txt --ctx 2048 --windows 10
     # one engine only: --engines llama.cpp; JSON instead of the table: --json
+    # issue 28's shapes: llama.cpp and tinyrt on the Q4_0 file, tinyrt on its own RTN g128 too
+    python benchmarks/make_ggufs.py tinyllama-q4_0 tinyllama-rtn
+    python benchmarks/gguf_peers.py $G/tinyllama-shape.Q4_0.gguf \\
+        --model-dir $G/tinyllama-shape.rtn-g128 --threads 2 --runs 5
 
 Needs `pip install llama-cpp-python` (not a CI dependency).
 """
@@ -51,6 +55,7 @@ import traceback
 from pathlib import Path
 
 ENGINE_NAMES = ("tinyrt", "llama.cpp")
+MODEL_DIR = "tinyrt-dir"    # tinyrt on --model-dir, beside the engines on FILE
 
 
 def peak_rss_mb() -> float:
@@ -178,7 +183,12 @@ def weights_note(llm, path) -> dict:
 class Tinyrt:
     def __init__(self, path: str, threads: int):
         self.llm = load_tinyrt(path, threads, kv_size=4096)
-        self.info = weights_note(self.llm, path)
+        if Path(path).is_file():
+            self.info = weights_note(self.llm, path)
+        else:
+            from tinyrt.bench import weight_bytes
+
+            self.info = {"weight_mb": weight_bytes(self.llm.model) / 1e6}
 
     def tokenize(self, text: str) -> list[int]:
         return [int(i) for i in self.llm.tokenizer.encode(text, add_special=True)]
@@ -206,7 +216,7 @@ def tinyrt_ppl(path, threads, text, ctx, windows):
     return {**r, **ids_summary(ids, r["windows"] * ctx), **weights_note(llm, path)}
 
 
-SPEED = {"tinyrt": tinyrt_speed, "llama.cpp": llama_cpp_speed}
+SPEED = {"tinyrt": tinyrt_speed, "llama.cpp": llama_cpp_speed, MODEL_DIR: tinyrt_speed}
 PPL = {"tinyrt": tinyrt_ppl, "llama.cpp": llama_cpp_ppl}
 
 
@@ -334,9 +344,13 @@ def speed(path: str, args) -> dict:
     out: dict = {"file": path, "threads": args.threads, "prompt_tokens": args.prompt,
                  "decode_tokens": args.decode, "runs": args.runs, "engines": {}}
     workers: dict[str, Worker] = {}
-    for name in args.engines:                      # loaded one after the other, not together
+    engines = [(name, path) for name in args.engines]
+    if args.model_dir:
+        engines.append((MODEL_DIR, args.model_dir))
+        out["model_dir"] = args.model_dir
+    for name, source in engines:                   # loaded one after the other, not together
         log(f"{Path(path).name}: loading {name}")
-        w = Worker(name, path, args)
+        w = Worker(name, source, args)
         r = w.read()
         if "error" in r:
             w.close()
@@ -396,14 +410,16 @@ def speed(path: str, args) -> dict:
             e["ttft_median_s"] = statistics.median(e["ttft_s"])
             e["prefill_tok_s"] = args.prompt / e["ttft_median_s"]
             e["decode_tok_s"] = 1 / statistics.median(e["decode_s"])
-    t, l = out["engines"].get("tinyrt", {}), out["engines"].get("llama.cpp", {})
-    n = min(len(t.get("ttft_s", [])), len(l.get("ttft_s", [])))
-    if n and not t.get("error") and not l.get("error"):
-        out["ratios"] = {
-            "prefill": spread([l["ttft_s"][i] / t["ttft_s"][i] for i in range(n)]),
-            "decode": spread([l["decode_s"][i] / t["decode_s"][i] for i in range(n)]),
-            "peak_rss": (t["peak_rss_mb"] / l["peak_rss_mb"]
-                         if t.get("peak_rss_mb") and l.get("peak_rss_mb") else None)}
+    l = out["engines"].get("llama.cpp", {})
+    for name, key in (("tinyrt", "ratios"), (MODEL_DIR, "ratios_model_dir")):
+        t = out["engines"].get(name, {})
+        n = min(len(t.get("ttft_s", [])), len(l.get("ttft_s", [])))
+        if n and not t.get("error") and not l.get("error"):
+            out[key] = {
+                "prefill": spread([l["ttft_s"][i] / t["ttft_s"][i] for i in range(n)]),
+                "decode": spread([l["decode_s"][i] / t["decode_s"][i] for i in range(n)]),
+                "peak_rss": (t["peak_rss_mb"] / l["peak_rss_mb"]
+                             if t.get("peak_rss_mb") and l.get("peak_rss_mb") else None)}
     return out
 
 
@@ -432,8 +448,8 @@ def speed_table(results: list[dict]) -> str:
     for r in results:
         f = Path(r["file"]).name
         for name, e in r["engines"].items():
-            wt = (f"{e['weight_mb']:.0f} ({e['file_weight_mb']:.0f})"
-                  if "weight_mb" in e else "—")
+            wt = (f"{e['weight_mb']:.0f}" if "weight_mb" in e else "—") + \
+                (f" ({e['file_weight_mb']:.0f})" if "file_weight_mb" in e else "")
             if e.get("weight_ratio") and e["weight_ratio"] > FLOAT_RATIO:
                 notes.append(f"{f}: tinyrt holds {e['weight_ratio']:.1f}x the file's weight bytes: "
                              "it is not running the file's quantized tensors in place")
@@ -445,12 +461,15 @@ def speed_table(results: list[dict]) -> str:
             lines.append(f"| {f} | {name} | {fmt(e.get('prefill_tok_s'))} | "
                          f"{fmt(e.get('ttft_median_s'), '.3f')} | {fmt(e.get('decode_tok_s'))} | "
                          f"{fmt(e.get('peak_rss_mb'), '.0f')} | {wt} |")
-        if "ratios" in r:
-            q = r["ratios"]
-            lines.append(f"| {f} | tinyrt / llama.cpp | {q['prefill']['median']:.2f}x "
-                         f"({q['prefill']['min']:.2f}-{q['prefill']['max']:.2f}) | | "
-                         f"{q['decode']['median']:.2f}x ({q['decode']['min']:.2f}-"
-                         f"{q['decode']['max']:.2f}) | {fmt(q['peak_rss'], '.2f')}x | |")
+        for key, name in (("ratios", "tinyrt"), ("ratios_model_dir", MODEL_DIR)):
+            if key in r:
+                q = r[key]
+                lines.append(f"| {f} | {name} / llama.cpp | {q['prefill']['median']:.2f}x "
+                             f"({q['prefill']['min']:.2f}-{q['prefill']['max']:.2f}) | | "
+                             f"{q['decode']['median']:.2f}x ({q['decode']['min']:.2f}-"
+                             f"{q['decode']['max']:.2f}) | {fmt(q['peak_rss'], '.2f')}x | |")
+        if "model_dir" in r:
+            notes.append(f"{f}: {MODEL_DIR} is tinyrt on {r['model_dir']}")
         if r.get("prompt_ids_agree") is False:
             notes.append(f"{f}: tinyrt's tokenization of the prompt text differs from llama.cpp's "
                          f"at token {r['prompt_ids_first_difference']} (both ran llama.cpp's ids)")
@@ -531,6 +550,9 @@ def main() -> int:
     ap.add_argument("--pause", type=float, default=0.5, help="seconds between turns")
     ap.add_argument("--engines", default=",".join(ENGINE_NAMES),
                     help=f"comma-separated, of {', '.join(ENGINE_NAMES)}")
+    ap.add_argument("--model-dir", metavar="DIR",
+                    help=f"speed of tinyrt on this model directory too, engine {MODEL_DIR} (one "
+                         "FILE; e.g. make_ggufs.py's {shape}-rtn of the file's float source)")
     ap.add_argument("--ppl", metavar="TEXT", help="perplexity on this text instead of speed")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=10)
@@ -550,6 +572,8 @@ def main() -> int:
     for f in args.files:
         if not Path(f).is_file():
             ap.error(f"{f}: no such file")
+    if args.model_dir and (len(args.files) != 1 or args.ppl or not Path(args.model_dir).is_dir()):
+        ap.error("--model-dir takes one FILE, speed only, and a model directory")
     run = ppl if args.ppl else speed
     results = [run(str(Path(f).expanduser()), args) for f in args.files]
     if args.json:

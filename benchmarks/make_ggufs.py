@@ -14,13 +14,17 @@
                      here), ~6.4 GB in float16
     llama7b-f16, llama7b-q4km, llama7b-q4_0   the same for Llama-2-7B's shape (hidden 4096,
                      32 layers, 32 heads and KV heads, FFN 11008), ~13.7 GB in float16
+    {shape}-rtn      tinyrt's own model directory of the shape's float file, round-to-nearest
+                     4-bit in groups of 128 (`tinyrt convert F16 DIR --method rtn --group-size
+                     128`), for gguf_peers.py --model-dir
 
     python benchmarks/make_ggufs.py                        # the default model's and TinyLlama's
     python benchmarks/make_ggufs.py --out DIR tinyllama-f16 tinyllama-q4km
     python benchmarks/make_ggufs.py llama7b-q4_0           # the float file first, then its Q4_0
     python benchmarks/make_ggufs.py --types FILE.gguf ...  # tensor types per tensor kind
 
-Files: DIR/smollm2-135m.Q4_K_M.gguf, DIR/{tinyllama,llama3b,llama7b}-shape.{f16,Q4_K_M,Q4_0}.gguf.
+Files: DIR/smollm2-135m.Q4_K_M.gguf, DIR/{tinyllama,llama3b,llama7b}-shape.{f16,Q4_K_M,Q4_0}.gguf,
+and the directories DIR/{shape}-shape.rtn-g128.
 All use the default model's tokenizer (vocab 49152), so that both engines tokenize alike. A file
 that exists is kept (--force remakes it). The random weights are N(0, 0.02) (the output projections, attn_output
 and ffn_down, 0.02 / sqrt(2 * layers), as GPT-2 initializes them), norms 1 + N(0, 0.02), the same
@@ -42,6 +46,7 @@ import numpy as np
 DEFAULT_OUT = Path("/tmp/bench_gguf")
 SMOLLM2_Q4KM = "smollm2-135m.Q4_K_M.gguf"
 SHAPED = "{}-shape.{}.gguf"        # shape name, file type
+SHAPED_RTN = "{}-shape.rtn-g128"   # tinyrt's own RTN model directory of the shape's float file
 
 # real models' shapes (from their config.json), with the default model's vocabulary so that
 # llama.cpp and tinyrt tokenize the same text the same way
@@ -174,7 +179,15 @@ def print_types(path: Path) -> None:
         print(f"  {kind:22s} " + ", ".join(f"{n} {t}" for t, n in c.most_common()))
 
 
-TARGETS = ["smollm2-q4km"] + [f"{s}-{t}" for s in SHAPES for t in ("f16", *QUANT_TYPES)]
+def convert_rtn(src: Path, dst: Path) -> None:
+    """tinyrt's own 4-bit model of a float file: `tinyrt convert SRC DST --method rtn
+    --group-size 128` (the conversion is atomic: DST appears whole or not at all)."""
+    from tinyrt.converters import convert
+
+    convert(src, dst, method="rtn", group_size=128)
+
+
+TARGETS = ["smollm2-q4km"] + [f"{s}-{t}" for s in SHAPES for t in ("f16", *QUANT_TYPES, "rtn")]
 DEFAULT_TARGETS = ["smollm2-q4km", "tinyllama-f16", "tinyllama-q4km", "tinyllama-q4_0"]
 
 
@@ -215,6 +228,8 @@ def main() -> int:
             jobs[f"{shape}-{t}"] = (args.out / SHAPED.format(shape, suffix),
                                     lambda d, f16=f16, ftype=ftype: quantize(f16, d, ftype,
                                                                              args.threads))
+        jobs[f"{shape}-rtn"] = (args.out / SHAPED_RTN.format(shape),
+                                lambda d, f16=f16: convert_rtn(f16, d))
     for name in targets:
         dst, make = jobs[name]
         if dst.exists() and not (args.force and name in asked):
@@ -224,7 +239,8 @@ def main() -> int:
             print(f"{name}: making {dst} ...", flush=True)
             make(dst)
             print(f"{name}: {time.perf_counter() - t:.0f} s")
-        print_types(dst)
+        if dst.is_file():
+            print_types(dst)
     return 0
 
 
