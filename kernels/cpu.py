@@ -164,7 +164,7 @@ def _planes_fit(bits: int, group: int) -> int:
 def repack(parts: list) -> QLinear:
     """Quantized layers (quant.QuantWeight) that share an input -> one QLinear in the common form
     quant.concat gives them (exact), each part's codes tiled straight from its own rows."""
-    code_bits, g, w = quant.fused_form(parts)
+    code_bits, g, form = quant.fused_form(parts)
     out, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
     bits = _planes_fit(code_bits, g)
     tiles = -(-out // simd.LANES)
@@ -177,7 +177,7 @@ def repack(parts: list) -> QLinear:
             for dst, shift, b in ((planes[0], 0, 4), (planes[1], 4, bits - 4)):
                 _tile_codes(p.codes, shift, b, row0, dst)
         row0 += p.shape[0]
-    floats = [a for a in (w["scale"], w["offset"]) if a is not None]
+    floats = [a for a in (form["scale"], form["offset"]) if a is not None]
     dtype = np.result_type(*floats)          # one float type for both: fewer compiled variants
 
     def in_tiles(a, dtype):       # [out, n] -> [tiles, n, LANES], zeros after out; None: empty
@@ -186,9 +186,9 @@ def repack(parts: list) -> QLinear:
         t = np.ascontiguousarray(padded.reshape(tiles, simd.LANES, -1).transpose(0, 2, 1))
         return t.view(np.uint16) if t.dtype == np.float16 else t
 
-    return QLinear(*planes, in_tiles(w["scale"], dtype), in_tiles(w["scale_q"], np.int8),
-                   in_tiles(w["offset"], dtype), in_tiles(w["offset_q"], np.int8), w["zero"], bits,
-                   g, out)
+    return QLinear(*planes, in_tiles(form["scale"], dtype), in_tiles(form["scale_q"], np.int8),
+                   in_tiles(form["offset"], dtype), in_tiles(form["offset_q"], np.int8),
+                   form["zero"], bits, g, out)
 
 
 @njit(parallel=_prange_only(), cache=True, error_model="numpy")
