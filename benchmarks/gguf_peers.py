@@ -165,11 +165,13 @@ FLOAT_RATIO = 2.5
 
 def weights_note(llm, path) -> dict:
     """The bytes of weights a decoded token reads in tinyrt against the file's own (quantized)
-    bytes of the same tensors (see FLOAT_RATIO)."""
+    bytes of the same tensors (see FLOAT_RATIO); for a model directory, tinyrt's alone."""
     try:
         from tinyrt.bench import weight_bytes
         from tinyrt.models.gguf import GGUFFile       # (gguf's reader would add to the RSS)
 
+        if not Path(path).is_file():
+            return {"weight_mb": weight_bytes(llm.model) / 1e6}
         tensors = {n: int(t.n_bytes) for n, t in GGUFFile(path).tensors.items()}
         tied = "output.weight" not in tensors
         file_b = sum(b for n, b in tensors.items() if n != "token_embd.weight" or tied)
@@ -183,12 +185,7 @@ def weights_note(llm, path) -> dict:
 class Tinyrt:
     def __init__(self, path: str, threads: int):
         self.llm = load_tinyrt(path, threads, kv_size=4096)
-        if Path(path).is_file():
-            self.info = weights_note(self.llm, path)
-        else:
-            from tinyrt.bench import weight_bytes
-
-            self.info = {"weight_mb": weight_bytes(self.llm.model) / 1e6}
+        self.info = weights_note(self.llm, path)
 
     def tokenize(self, text: str) -> list[int]:
         return [int(i) for i in self.llm.tokenizer.encode(text, add_special=True)]

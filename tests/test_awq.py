@@ -330,6 +330,7 @@ def test_default_calibration_size_is_said_and_fits_the_text(tmp_path, monkeypatc
     """A conversion without --calib-samples says how many samples it calibrates on and takes
     no more than the text holds; a size given is kept (and a text too short for it refused)."""
     from tinyrt.converters import calibration
+    from tinyrt.tokenizer import load_tokenizer
 
     src = write_tiny_model(tmp_path / "m", tiny_config())
     f = tmp_path / "calib.txt"
@@ -337,18 +338,12 @@ def test_default_calibration_size_is_said_and_fits_the_text(tmp_path, monkeypatc
     monkeypatch.setattr(calibration, "default_samples", lambda cfg, seqlen: 1000)
     notices = []
     convert(src, tmp_path / "out", method="awq", calib=f, calib_seqlen=16, notice=notices.append)
-    windows = len(_tokenizer(src).encode(f.read_text())) // 16
+    windows = len(load_tokenizer(src).encode(f.read_text())) // 16
     assert calibration.MIN_SAMPLES < windows < 1000
     assert len(notices) == 1 and f"calibrating on {windows} samples of 16 tokens" in notices[0]
     with pytest.raises(TinyrtError, match="too short"):
         convert(src, tmp_path / "out2", method="awq", calib=f, calib_seqlen=16,
                 calib_samples=windows + 1)
-
-
-def _tokenizer(model_dir):
-    from tinyrt.tokenizer import load_tokenizer
-
-    return load_tokenizer(model_dir)
 
 
 @pytest.mark.parametrize("method, stop_at", [("none", 5), ("awq", 1)])   # tensors / layers done
