@@ -4,6 +4,8 @@ weights (method "none") or 4-bit AWQ / round-to-nearest in the AutoAWQ GEMM layo
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -24,6 +26,11 @@ METHODS = ("awq", "rtn", "none")
 FLOAT_DTYPES = {"f16": np.float16, "f32": np.float32}
 TORCH_DTYPE_NAMES = {"f16": "float16", "f32": "float32"}
 GROUP_SIZES = (128, 64, 32)
+# the most bytes of tensors per safetensors file, as transformers' save_pretrained and mlx-lm
+# write them: a file a filesystem and a download handle
+DEFAULT_SHARD_BYTES = 5 * 10**9
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
 
 # progress(done, total, what): called as tensors (float) or layers (quantized) are done
 Progress = Callable[[int, int, str], None]
@@ -130,6 +137,50 @@ def _quantized_specs(cfg: ModelConfig, g: int, np_dtype) -> list[tuple[str, np.d
     return specs
 
 
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000000' -> bytes (TinyrtError if not a positive size)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m[2].lower() not in _UNITS or float(m[1]) * _UNITS[m[2].lower()] < 1:
+        raise TinyrtError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB)")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+def _nbytes(spec) -> int:
+    return int(np.prod(spec[2], dtype=np.int64)) * np.dtype(spec[1]).itemsize
+
+
+def shard_plan(specs: list, max_bytes: int) -> list[list]:
+    """`specs` (name, dtype, shape) in file order, cut into runs of at most `max_bytes` of
+    tensors each (a tensor larger than that alone in its run)."""
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        n = _nbytes(spec)
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += n
+    return shards
+
+
+def _write_shards(directory: Path, specs: list, arrays: Iterator[np.ndarray],
+                  max_bytes: int) -> None:
+    """The tensors into `model.safetensors`, or, past `max_bytes`, into shards
+    model-0000i-of-0000n.safetensors named by model.safetensors.index.json (transformers'
+    layout), written one after the other as `arrays` yields them."""
+    shards = shard_plan(specs, max_bytes)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        write_safetensors(directory / name, shard, itertools.islice(arrays, len(shard)),
+                          metadata={"format": "pt"})
+    if len(shards) > 1:
+        write_json(directory / "model.safetensors.index.json", {
+            "metadata": {"total_size": sum(map(_nbytes, specs))},
+            "weight_map": {spec[0]: name for name, shard in zip(names, shards) for spec in shard}})
+
+
 def _checked(specs, named: Iterator[tuple[str, np.ndarray]]) -> Iterator[np.ndarray]:
     for (want, _, _), (name, a) in zip(specs, named):
         if name != want:  # a programming error, not bad input
@@ -142,14 +193,16 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
             calib_samples: int | None = None,
             calib_seqlen: int = calibration.DEFAULT_SEQLEN, clip: bool = True,
             duo_scaling: bool = True, seed: int = 0, force: bool = False,
-            progress: Progress | None = None, notice: Callable[[str], None] | None = None) -> Path:
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None,
+            notice: Callable[[str], None] | None = None) -> Path:
     """Convert `src` into the model directory `out`.
 
     method "none" keeps float weights of `dtype`; "rtn" and "awq" quantize every decoder linear to
     4-bit groups (AWQ calibrates on `calib`, by default the Python documentation, in
     `calib_samples` windows of `calib_seqlen` tokens, by default as many as
     calibration.default_samples chooses for this machine); the other tensors are stored as
-    `dtype`. Written to a temporary directory and renamed into place when complete.
+    `dtype`. The tensors go in files of at most `max_shard_bytes` each (see _write_shards),
+    written to a temporary directory that is renamed into place when complete.
     `notice(text)` hears of anything the user should know before it starts (a source whose
     weights are quantized already, the calibration size chosen)."""
     if method not in METHODS:
@@ -158,6 +211,9 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
         raise TinyrtError(f"unknown dtype {dtype!r} (choose f16 or f32)")
     if method != "none" and bits != 4:
         raise TinyrtError("only 4-bit weights are supported (--w-bit 4)")
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise TinyrtError(f"the shard size must be a positive number of bytes, "
+                          f"not {max_shard_bytes!r}")
     out = Path(out)
     if out.exists() and not force:
         raise TinyrtError(f"{out} already exists (use --force to replace it)")
@@ -206,8 +262,7 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
                            f"{calibration.PAPER_SAMPLES} for the AWQ paper's size)")
             specs = _quantized_specs(cfg, g, np_dtype)
             named = _quantized_tensors(source, cfg, opts, calib_ids, np_dtype, progress)
-        write_safetensors(tmp / "model.safetensors", specs, _checked(specs, named),
-                          metadata={"format": "pt"})
+        _write_shards(tmp, specs, _checked(specs, named), max_shard_bytes)
         write_json(tmp / "config.json", config)
     return out
 

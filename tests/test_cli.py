@@ -95,6 +95,8 @@ def test_errors_are_one_clear_line(tmp_path):
 
     _one_line_error(tinyrt("generate", "-m", str(d), "hi " * 50, "--kv-size", "16"), "prompt has")
     _one_line_error(tinyrt("convert", str(d), str(d)), "already exists")
+    _one_line_error(tinyrt("convert", str(d), str(tmp_path / "o"), "--max-shard-size", "0GB"),
+                    "not a size")
     _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--top-p", "2"), "top-p")
 
 

@@ -47,6 +47,45 @@ def test_sharded_bf16_hf_directory(tmp_path):
     assert rel_err(hf_logits(hf_model(out16), ids), want) < 1e-2  # transformers reads our output
 
 
+@pytest.mark.parametrize("method", ["none", "rtn"])
+def test_a_model_past_the_shard_size_is_written_in_shards(tmp_path, method):
+    """Shards of at most the size asked for (one tensor past it alone in its file), an index in
+    transformers' layout naming each tensor once, and the same model as one file gives."""
+    src = write_tiny_model(tmp_path / "src", tiny_config(), seed=4)
+    whole = convert(src, tmp_path / "whole", method=method, dtype="f32")
+    limit = 60_000
+    out = convert(src, tmp_path / "sharded", method=method, dtype="f32", max_shard_bytes=limit)
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert [p.name for p in shards] == [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                        for i in range(len(shards))]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    store, one = WeightStore(out), WeightStore(whole)
+    assert sorted(index["weight_map"]) == sorted(one.keys()) == sorted(store.keys())
+    assert index["metadata"]["total_size"] == one.nbytes
+    for shard in shards:
+        names = [n for n, f in index["weight_map"].items() if f == shard.name]
+        size = sum(one.get(n).nbytes for n in names)
+        assert size <= limit or len(names) == 1
+    for name in one.keys():
+        np.testing.assert_array_equal(store.get(name), one.get(name))
+    ids = np.random.default_rng().integers(0, 320, 12)
+    np.testing.assert_array_equal(_logits(out, ids), _logits(whole, ids))
+    if method == "none":                                   # transformers reads the shards
+        assert rel_err(hf_logits(hf_model(out), ids), _logits(whole, ids)) < 1e-4
+
+
+def test_shard_sizes_read_as_people_write_them():
+    from tinyrt.converters.conversion import parse_size
+    from tinyrt.errors import TinyrtError
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500 mb") == 5 * 10**8
+    assert parse_size("2GiB") == 2 << 30 and parse_size("1.5KB") == 1500 and parse_size("7") == 7
+    for bad in ("", "0", "0.1B", "-1GB", "5 parsecs", "GB", "1e9"):
+        with pytest.raises(TinyrtError, match="not a size"):
+            parse_size(bad)
+
+
 @pytest.mark.parametrize("kind", ["hf", "gguf"])
 def test_a_source_reads_each_tensor_once_and_keeps_no_pages(tmp_path, kind):
     """A conversion reads each tensor of its source once: the arrays are its own (no view of

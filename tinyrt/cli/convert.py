@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
                    help="tokens per calibration sequence (default %(default)s)")
     c.add_argument("--no-clip", action="store_true", help="skip the clipping search")
     c.add_argument("--seed", type=int, default=0, help="seed for choosing calibration samples")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="most bytes of weights per safetensors file (e.g. 2GB, 500MB; default "
+                        "%(default)s); a larger model is written in shards with an index")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 
@@ -67,7 +70,9 @@ class ConvertProgress:
 
 def main(args: argparse.Namespace) -> int:
     from tinyrt.converters import convert
-    from tinyrt.converters.conversion import bits_per_weight
+    from tinyrt.converters.conversion import bits_per_weight, parse_size
+
+    shard_bytes = parse_size(args.max_shard_size)
 
     what = "layers" if args.method != "none" else "tensors"
     progress = ConvertProgress(f"{args.method} {Path(args.src).name} ({what})")
@@ -76,7 +81,8 @@ def main(args: argparse.Namespace) -> int:
         out = convert(args.src, args.out, method=args.method, dtype=args.dtype, bits=args.w_bit,
                       group_size=args.group_size, calib=args.calib,
                       calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
-                      clip=not args.no_clip, seed=args.seed, force=args.force, progress=progress,
+                      clip=not args.no_clip, seed=args.seed, force=args.force,
+                      max_shard_bytes=shard_bytes, progress=progress,
                       notice=lambda text: print(f"note: {text}", file=sys.stderr, flush=True))
     finally:
         progress.close()
