@@ -3,8 +3,16 @@
 The runtime never imports this package; front ends call it to convert a model on first use.
 """
 
-from .conversion import FLOAT_DTYPES, convert
-from tinyrt.models.gguf import GGUFFile
-from .sources import Source, open_source
+import importlib
 
-__all__ = ["FLOAT_DTYPES", "convert", "GGUFFile", "Source", "open_source"]
+# name -> module, imported on first use: the command line imports this package for its help text,
+# and the converters' compiled quantizer would load Numba into every command's start
+_EXPORTS = {"FLOAT_DTYPES": ".conversion", "convert": ".conversion", "GGUFFile": "tinyrt.models.gguf",
+            "Source": ".sources", "open_source": ".sources"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -22,6 +22,7 @@ SEARCH_BUDGET_S = 120     # the default takes as many samples as fit about this 
 # project's conversions on 2 cores (TinyLlama-1.1B's shape, 4 x 512 tokens: 15.6 minutes;
 # SmolLM2-135M: about 2 minutes) and rounded up
 CORE_S_PER_TOKEN_WEIGHT = 1e-9
+DEFAULT_RULE = f"as many as this machine's cores search in about {SEARCH_BUDGET_S // 60} minutes"
 
 
 def default_samples(cfg, seqlen: int = DEFAULT_SEQLEN, cores: int | None = None,

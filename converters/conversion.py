@@ -257,8 +257,7 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
                                                         at_most=calib_samples is None)
                 if notice and calib_samples is None:
                     notice(f"calibrating on {len(calib_ids)} samples of {calib_seqlen} tokens, "
-                           "as many as this machine's cores search in about "
-                           f"{calibration.SEARCH_BUDGET_S // 60} minutes (--calib-samples "
+                           f"{calibration.DEFAULT_RULE} (--calib-samples "
                            f"{calibration.PAPER_SAMPLES} for the AWQ paper's size)")
             specs = _quantized_specs(cfg, g, np_dtype)
             named = _quantized_tensors(source, cfg, opts, calib_ids, np_dtype, progress)

@@ -62,3 +62,13 @@ def test_a_loaded_model_runs_without_the_converter(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     cheap, converter, ran = json.loads(out.stdout.splitlines()[-1])
     assert cheap == [] and ran and not converter
+
+
+def test_the_command_line_starts_without_numba():
+    """Building every command's parser (`tinyrt --help`, a typo's usage line) loads neither
+    Numba nor the converters' compiled code: they cost a third of a second before anything."""
+    script = ("import sys, json\nfrom tinyrt.cli import build_parser\nbuild_parser()\n"
+              "print(json.dumps(sorted(m for m in ('numba', 'tinyrt.converters.awq',"
+              " 'tinyrt.kernels.cpu') if m in sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == []

@@ -30,8 +30,7 @@ def add_parser(sub) -> None:
                    help="plain text or JSON lines with a 'text' field (default: the Python "
                         "documentation shipped with Python)")
     c.add_argument("--calib-samples", type=int, default=None, metavar="N",
-                   help="calibration sequences (default: as many as this machine's cores search "
-                        f"in about {calibration.SEARCH_BUDGET_S // 60} minutes, "
+                   help=f"calibration sequences (default: {calibration.DEFAULT_RULE}, "
                         f"{calibration.MIN_SAMPLES} to {calibration.PAPER_SAMPLES}, the AWQ "
                         "paper's size)")
     c.add_argument("--calib-seqlen", type=int, default=calibration.DEFAULT_SEQLEN, metavar="N",
