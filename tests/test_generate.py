@@ -81,3 +81,21 @@ def test_api_stream_and_generate(tiny_llm):
     chat = tiny_llm.prompt_ids("hello")
     assert tiny_llm.tokenizer.decode(chat, skip_special=False) == \
         "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_an_unknown_weight_type_is_refused_before_loading(tiny_llm, monkeypatch):
+    """dtype is checked up front; a ValueError raised while loading stays a ValueError (a
+    fault of the loader shows as one, not as a user's mistake)."""
+    import tinyrt
+    import tinyrt.api
+    from tinyrt.errors import TinyrtError
+
+    with pytest.raises(TinyrtError, match="unknown weight type 'f8'"):
+        tinyrt.LLM(tiny_llm.directory, dtype="f8")
+
+    def broken(*a, **k):
+        raise ValueError("a fault inside the loader")
+
+    monkeypatch.setattr(tinyrt.api, "load_model", broken)
+    with pytest.raises(ValueError, match="fault inside"):
+        tinyrt.LLM(tiny_llm.directory, dtype="f32")

@@ -17,6 +17,7 @@ from .generate import Generation, Response
 from .kernels import get_backend
 from .kv_cache import CacheOptions, make_cache
 from .models import load_model, trim_heap
+from .models.weights import FLOAT_TYPES
 from .sampling import Sampler, SamplingParams
 from .speculative import MAX_GAMMA, SpeculativeGeneration, make_drafter
 from .tokenizer import load_tokenizer
@@ -69,6 +70,8 @@ class LLM:
             raise TinyrtError(f"unknown options: {', '.join(sorted(cache_fields))} (KV cache "
                               f"options: {', '.join(CacheOptions.__dataclass_fields__)})") from None
         self.directory = Path(directory)
+        if dtype not in (None, *FLOAT_TYPES):
+            raise TinyrtError(f"unknown weight type {dtype!r} (choose {' or '.join(FLOAT_TYPES)})")
         try:
             self.backend = get_backend(device, threads)
         except ValueError as e:
@@ -78,10 +81,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.directory)
         self.template = template_from_config(self.tokenizer.config)
         trim_heap()
-        try:
-            self.model = load_model(self.directory, self.backend, dtype)
-        except ValueError as e:         # an unknown dtype
-            raise TinyrtError(str(e)) from None
+        self.model = load_model(self.directory, self.backend, dtype)
         self.config = cfg = self.model.config
         self.generation_config = _generation_config(self.directory)
         if draft is not None:
