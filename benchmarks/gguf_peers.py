@@ -331,6 +331,33 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+_READ_BUFFER: list = []
+
+
+def read_gb_s(threads: int, nbytes: int = 512 << 20) -> float:
+    """The machine's memory bandwidth as a plain read sees it now: `threads` threads each summing
+    its share of a buffer far larger than the caches (NumPy's sum leaves the GIL), median of 3.
+    Decode at batch 1 reads every weight once per token, so this bounds decode tok/s at about
+    this / the weights' bytes, for both engines alike."""
+    import threading
+
+    import numpy as np
+
+    if not _READ_BUFFER:
+        _READ_BUFFER.append(np.ones(nbytes // 4, np.float32))
+    parts = np.array_split(_READ_BUFFER[0], threads)
+    times = []
+    for _ in range(3):
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
 def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
 
@@ -392,7 +419,9 @@ def speed(path: str, args) -> dict:
 
     for name in workers:                           # warm-up, untimed: the whole prompt
         turn(name, 4, args.prompt)
+    out["read_gb_s"] = []
     for k in range(args.runs):
+        out["read_gb_s"].append(read_gb_s(args.threads))     # between turns: both engines idle
         order = list(workers) if k % 2 == 0 else list(reversed(workers))
         for name in order:
             r = turn(name, args.decode, args.prompt)
@@ -435,12 +464,20 @@ def failed_row(f: str, name: str, error: str, columns: int, notes: list[str]) ->
     return f"| {f} | {name} | failed |" + " |" * (columns - 3)
 
 
+def streamed(r: dict, e: dict) -> float | None:
+    """GB/s of weights an engine reads at its decode speed: decode tok/s x the weights' bytes per
+    token (tinyrt's own figure; llama.cpp reads the same file's tensors)."""
+    mb = e.get("weight_mb") or next((x["file_weight_mb"] for x in r["engines"].values()
+                                     if "file_weight_mb" in x), None)
+    return e["decode_tok_s"] * mb / 1e3 if mb and e.get("decode_tok_s") else None
+
+
 def speed_table(results: list[dict]) -> str:
     r0 = results[0]
     lines = [f"{r0['threads']} threads, {r0['prompt_tokens']}-token prompt, {r0['decode_tokens']} "
              f"greedy tokens, 4096-token context, medians of {r0['runs']} alternating rounds", "",
              *table_head("file", "engine", "prefill tok/s", "TTFT s", "decode tok/s",
-                         "peak RSS MB", "weights MB/token (file)")]
+                         "decode weight GB/s", "peak RSS MB", "weights MB/token (file)")]
     notes = []
     for r in results:
         f = Path(r["file"]).name
@@ -451,22 +488,27 @@ def speed_table(results: list[dict]) -> str:
                 notes.append(f"{f}: tinyrt holds {e['weight_ratio']:.1f}x the file's weight bytes: "
                              "it is not running the file's quantized tensors in place")
             if e.get("error") and not e.get("ttft_s"):
-                lines.append(failed_row(f, name, e["error"], 7, notes))
+                lines.append(failed_row(f, name, e["error"], 8, notes))
                 continue
             if e.get("error"):
                 notes.append(f"{f}: {name} failed after {len(e['ttft_s'])} runs: {e['error']}")
             lines.append(f"| {f} | {name} | {fmt(e.get('prefill_tok_s'))} | "
                          f"{fmt(e.get('ttft_median_s'), '.3f')} | {fmt(e.get('decode_tok_s'))} | "
-                         f"{fmt(e.get('peak_rss_mb'), '.0f')} | {wt} |")
+                         f"{fmt(streamed(r, e))} | {fmt(e.get('peak_rss_mb'), '.0f')} | {wt} |")
         for key, name in (("ratios", "tinyrt"), ("ratios_model_dir", MODEL_DIR)):
             if key in r:
                 q = r[key]
                 lines.append(f"| {f} | {name} / llama.cpp | {q['prefill']['median']:.2f}x "
                              f"({q['prefill']['min']:.2f}-{q['prefill']['max']:.2f}) | | "
                              f"{q['decode']['median']:.2f}x ({q['decode']['min']:.2f}-"
-                             f"{q['decode']['max']:.2f}) | {fmt(q['peak_rss'], '.2f')}x | |")
+                             f"{q['decode']['max']:.2f}) | | {fmt(q['peak_rss'], '.2f')}x | |")
         if "model_dir" in r:
             notes.append(f"{f}: {MODEL_DIR} is tinyrt on {r['model_dir']}")
+        if r.get("read_gb_s"):
+            notes.append(f"{f}: a plain {r['threads']}-thread read of memory ran at "
+                         f"{statistics.median(r['read_gb_s']):.1f} GB/s (median of the rounds; "
+                         f"{min(r['read_gb_s']):.1f}-{max(r['read_gb_s']):.1f}): the decode speed "
+                         "that reading the weights alone allows is that / the weights' bytes")
         if r.get("prompt_ids_agree") is False:
             notes.append(f"{f}: tinyrt's tokenization of the prompt text differs from llama.cpp's "
                          f"at token {r['prompt_ids_first_difference']} (both ran llama.cpp's ids)")
