@@ -8,7 +8,7 @@ fed one token at a time, each next-token NLL recorded, the policy applied as the
         tokens, RSS when the cache fills and at the end
     python benchmarks/kv_policies.py MODEL --text ... budget [--tokens 2048] [--plot FILE.png]
         PPL against cache budget for window, sink and h2o (dense: the whole text, a line);
-        410 is 20 % of 2048
+        205, 410 and 819 are 10, 20 and 40 % of 2048
     python benchmarks/kv_policies.py MODEL speed [--kv-size 1024]
         decode ms per token with the cache full: dense (its last token appended and rolled
         back) against sink (sinks re-rotated every step) and h2o (scores kept, one eviction
@@ -75,7 +75,7 @@ def long(llm, text, args):
 
 
 def budget(llm, text, args):
-    budgets = [64, 128, 256, round(0.2 * args.tokens), 512, 1024]
+    budgets = sorted({64, 128, 256, 512, 1024} | {round(f * args.tokens) for f in (0.1, 0.2, 0.4)})
     dense = stream(llm, text, "dense", args.tokens, 0, args.tokens).ppl
     runs = {"window": ("sink", 0), "sink (4)": ("sink", 4), "h2o (4)": ("h2o", 4)}
     curves = {name: [] for name in runs}
@@ -99,7 +99,7 @@ def budget(llm, text, args):
         ax.set_yscale("log")
         ax.set_xlabel("KV cache budget (tokens)")
         ax.set_ylabel("perplexity (streaming)")
-        ax.set_title(f"SmolLM2-135M, first {args.tokens} tokens of WikiText-2 test")
+        ax.set_title(f"{Path(args.model).name}, first {args.tokens} tokens of {Path(args.text).name}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,8 +28,6 @@ GROUP_SIZES = (128, 64, 32)
 # the most bytes of tensors per safetensors file, as transformers' save_pretrained and mlx-lm
 # write them: a file a filesystem and a download handle
 DEFAULT_SHARD_BYTES = 5 * 10**9
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}
 
 # progress(done, total, what): called as tensors (float) or layers (quantized) are done
 Progress = Callable[[int, int, str], None]
@@ -135,14 +132,6 @@ def _quantized_specs(cfg: ModelConfig, g: int, np_dtype) -> list[tuple[str, np.d
     if not cfg.tie_word_embeddings:
         specs.append(spec("lm_head.weight"))
     return specs
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1000000' -> bytes (TinyrtError if not a positive size)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m[2].lower() not in _UNITS or float(m[1]) * _UNITS[m[2].lower()] < 1:
-        raise TinyrtError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB)")
-    return int(float(m[1]) * _UNITS[m[2].lower()])
 
 
 def _nbytes(spec) -> int:

@@ -98,6 +98,14 @@ def test_errors_are_one_clear_line(tmp_path):
     _one_line_error(tinyrt("convert", str(d), str(tmp_path / "o"), "--max-shard-size", "0GB"),
                     "not a size")
     _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--top-p", "2"), "top-p")
+    _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--kv-size", "64", "--kv-mem", "1MB"),
+                    "not both")
+    _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--kv-mem", "100B"), "holds no token")
+    _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--kv-mem", "lots"), "not a size")
+    p = tinyrt("generate", "-m", str(d), "hi", "--kv-mem", "64KB", "--max-tokens", "3")
+    assert p.returncode == 0, p.stderr
+    p = tinyrt("info", str(d))
+    assert p.returncode == 0 and "KV cache" in p.stdout and "KiB per token" in p.stdout, p.stdout
 
 
 @pytest.mark.real_model

@@ -76,8 +76,8 @@ def test_a_model_past_the_shard_size_is_written_in_shards(tmp_path, method):
 
 
 def test_shard_sizes_read_as_people_write_them():
-    from tinyrt.converters.conversion import parse_size
     from tinyrt.errors import TinyrtError
+    from tinyrt.memory import parse_size
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500 mb") == 5 * 10**8
     assert parse_size("2GiB") == 2 << 30 and parse_size("1.5KB") == 1500 and parse_size("7") == 7

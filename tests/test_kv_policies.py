@@ -8,7 +8,7 @@ import tinyrt
 from helpers import tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.kernels import get_backend, reference as ref
-from tinyrt.kv_cache import CacheOptions, H2OCache, KVCache, KVLayout, SinkCache
+from tinyrt.kv_cache import SCORE_DECAY, CacheOptions, H2OCache, KVCache, KVLayout, SinkCache
 
 rng = np.random.default_rng()
 STEPS = 2000
@@ -76,6 +76,32 @@ def test_h2o_evicts_the_lowest_score_per_head():
     assert (c.slot_pos == -1).all() and not c.score.any()
 
 
+def test_h2o_scores_decay_with_each_token_appended():
+    """Before a chunk of n tokens goes in, every score is multiplied by SCORE_DECAY**n (one that
+    falls below SCORE_FLOOR becomes 0), so that attention received lately outweighs attention
+    received long ago: a token attended once, strongly, gives way to one attended a little at
+    every step, which a plain sum would still rank below it."""
+    from tinyrt.kv_cache import SCORE_FLOOR
+
+    c = H2OCache(_layout(1, 1, 4), 6, get_backend("reference"), CacheOptions(sinks=1, recent=1))
+    c.allocate(3)
+    c.allocate(3)
+    c.score[0, 0] = [0, 3.0, 2.0, 1e-31, 2.5, 1.0]
+    before = c.score.copy()
+    c.allocate(2)                       # decays, then evicts positions 3 and 5, the lowest
+    want = before[0, 0] * np.float32(SCORE_DECAY ** 2)
+    want[want < SCORE_FLOOR] = 0
+    assert c.slot_pos[0, 0].tolist() == [0, 1, 2, 6, 4, 7]
+    np.testing.assert_array_equal(c.score[0, 0, [0, 1, 2, 4]], want[[0, 1, 2, 4]])
+    assert want[3] == 0 and c.score[0, 0, [3, 5]].tolist() == [0, 0]
+    c.score[0, 0] = [0, 3.0, 0, 1.0, 0, 0]   # position 1: 3 long ago, position 6: 1
+    for _ in range(100):                      # then 100 steps, position 6 attended 0.015 a step
+        c.score[0, 0, c.slot_pos[0, 0] == 6] += 0.015    # (each step evicts a 0-score token)
+        c.allocate(1)
+    at = {p: c.score[0, 0, c.slot_pos[0, 0] == p][0] for p in (1, 6)}
+    assert at[6] > at[1] and 1.0 + 100 * 0.015 < 3.0          # a plain sum: the other way
+
+
 def test_policy_errors():
     be = get_backend("reference")
     with pytest.raises(TinyrtError, match="unknown KV cache policy"):
@@ -86,6 +112,31 @@ def test_policy_errors():
         H2OCache(_layout(1, 1, 4), 8, be, CacheOptions(sinks=2, recent=7))
     with pytest.raises(CacheFullError, match="--kv-policy sink or h2o"):
         KVCache(_layout(1, 1, 4), 8, be).allocate(9)
+
+
+@pytest.mark.parametrize("policy", ["dense", "sink", "h2o"])
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_a_memory_budget_picks_the_size_that_fits(tiny, policy, kv_type):
+    """--kv-mem: as many tokens as fit at token_bytes each, which are the bytes the cache
+    really holds per token (K, V and the policy's tables); a budget that holds no token, both
+    sizes at once or a size that is not one are refused in one line."""
+    llm = tinyrt.LLM(tiny, kv_policy=policy, kv_type=kv_type, kv_mem="100KB")
+    cache, options = llm.cache, llm.cache_options
+    each = options.token_bytes(llm.config)
+    assert cache.capacity == 100_000 // each
+    tables = cache.slot_pos.nbytes + (cache.score.nbytes if policy == "h2o" else 0)
+    assert cache.nbytes + tables == cache.capacity * each <= 100_000
+    text = options.describe(llm.config, cache.capacity)
+    assert f"{each / 1024:.1f} KiB per token: {cache.capacity:,} tokens" in text
+    same = dict(kv_policy=policy, kv_type=kv_type)
+    assert tinyrt.LLM(tiny, kv_mem=11 * each - 1, **same).cache.capacity == 10
+    with pytest.raises(CacheFullError, match="holds no token"):
+        tinyrt.LLM(tiny, kv_mem=each - 1, **same)
+    with pytest.raises(TinyrtError, match="not both"):
+        CacheOptions(kv_size=64, kv_mem="1MB")
+    for bad in ("lots", "-1MB", 0, 1.5, True):
+        with pytest.raises(TinyrtError):
+            CacheOptions(kv_mem=bad)
 
 
 class Oracle:
@@ -161,7 +212,8 @@ def test_sink_cache_agrees_with_the_oracle_over_thousands_of_steps(tiny, device,
 class H2OOracle:
     """H2O by its definition, in NumPy (attention in float64): each KV head of each layer keeps a
     set of tokens, each with the attention it has received (summed over queries and the query
-    heads of the group). Before a chunk goes in, each set evicts its lowest-scored tokens
+    heads of the group, decayed by SCORE_DECAY**T before a chunk of T tokens adds its own).
+    Before a chunk goes in, each set evicts its lowest-scored tokens
     outside the sinks and the recent window until the chunk fits; then the chunk's queries
     attend over the set and themselves, causally, keys and queries rotated at their stream
     positions (the sinks at i + shift, shift = max(0, tokens seen - capacity)).
@@ -206,6 +258,9 @@ class H2OOracle:
         shift = max(0, n + T - self.C)
         for i in range(cfg.num_hidden_layers):
             for g in range(G):
+                score = self.score[i][g]
+                for j in score:
+                    score[j] *= SCORE_DECAY ** T
                 self._evict(i, g, T, set(fast_slot_pos[i, g].tolist()))
         q_idx = np.arange(n, n + T)
         x = ref.embedding(m.embed, np.asarray(tokens))

@@ -88,7 +88,8 @@ class LLM:
             if not 1 <= draft_tokens <= 32:
                 raise TinyrtError(f"--draft-tokens must be between 1 and 32, got {draft_tokens}")
             # the draft's own cache, if it needs one, of the target's size (not its context's)
-            cache = dataclasses.replace(cache, slack=draft_tokens + 1, kv_size=cache.size_for(cfg))
+            cache = dataclasses.replace(cache, slack=draft_tokens + 1, kv_size=cache.size_for(cfg),
+                                        kv_mem=None)
         self.draft_tokens = draft_tokens
         self.cache_options = cache
         self.cache = make_cache(cache, self.model)
@@ -173,7 +174,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto",
     (speculative decoding): a model with the same vocabulary (as `model`), `lookup` (prompt
     lookup) or `layers:N` (the model's first N layers); drafts of at most `draft_tokens`.
     `cache` is the KV cache options (kv_cache.CacheOptions), or give its fields as keywords
-    (kv_policy, kv_size, kv_type, sinks, recent).
+    (kv_policy, kv_size or kv_mem, kv_type, sinks, recent).
 
     This is the front end of the API: names become files here (fetched where they must be),
     then `LLM` loads the directory or file."""

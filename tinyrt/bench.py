@@ -94,6 +94,7 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
         "decode_tokens": decode_tokens, "decode_tok_s": 1 / step,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "weight_mb_per_token": per_token / 1e6, "kv_mb_per_token": kv_per_token / 1e6,
+        "kv_cache": llm.cache_options.describe(llm.config, cache.capacity),
         "decode_gb_s": (per_token + kv_per_token) / step / 1e9,
         **({} if spec is None else {"speculative": spec}),
     }

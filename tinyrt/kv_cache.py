@@ -19,7 +19,7 @@ in whatever order they hold positions. The policies (`POLICIES`, picked by `--kv
 - sink (SinkCache): StreamingLLM's attention sinks and a ring over the recent tokens; n_sink = 0
   is the sliding window;
 - h2o (H2OCache): sinks, a window of recent tokens and the heavy hitters, the tokens with the
-  most attention accumulated, chosen per KV head of every layer.
+  most attention lately (a decaying sum), chosen per KV head of every layer.
 
 Dense and sink give every layer and head the same slots (one slot table); h2o keeps one table per
 KV head of each layer, and a score per slot that the attention kernels add to. Their settings
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tinyrt.errors import CacheFullError, TinyrtError
-from tinyrt.memory import ensure_fits
+from tinyrt.memory import ensure_fits, parse_size
 
 KV_TYPES = {"f16": np.float16, "f32": np.float32}
 DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
@@ -46,9 +46,11 @@ DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
 
 @dataclasses.dataclass(frozen=True)
 class CacheOptions:
-    """How to build a KV cache (`--kv-policy`, `--kv-size`, `--kv-type`, `--sinks`, `--recent`):
-    size None is the model's context, at most DEFAULT_SIZE; sinks for sink and h2o, recent for
-    h2o (None: its default); slack, slots kept for rolling back drafts (sink)."""
+    """How to build a KV cache (`--kv-policy`, `--kv-size` or `--kv-mem`, `--kv-type`, `--sinks`,
+    `--recent`): the size in tokens, or as memory (bytes, or a text such as "512MB": as many
+    tokens as fit, `token_bytes` each), or neither: the model's context, at most DEFAULT_SIZE;
+    sinks for sink and h2o, recent for h2o (None: its default); slack, slots kept for rolling
+    back drafts (sink)."""
 
     kv_policy: str = "dense"
     kv_size: int | None = None
@@ -56,6 +58,7 @@ class CacheOptions:
     sinks: int = 4
     recent: int | None = None
     slack: int = 0
+    kv_mem: int | str | None = None
 
     def __post_init__(self):
         if self.kv_policy not in POLICIES:
@@ -64,14 +67,44 @@ class CacheOptions:
         if self.kv_type not in KV_TYPES:
             raise TinyrtError(f"unknown KV cache type {self.kv_type!r}: choose one of "
                               f"{', '.join(KV_TYPES)}")
+        if self.kv_mem is not None:
+            if self.kv_size is not None:
+                raise TinyrtError("give the KV cache's size in tokens (--kv-size) or as memory "
+                                  "(--kv-mem), not both")
+            if isinstance(self.kv_mem, bool) or not isinstance(self.kv_mem, (int, str)):
+                raise TinyrtError(f"the KV cache's memory must be bytes or a size such as 512MB, "
+                                  f"not {self.kv_mem!r}")
+            object.__setattr__(self, "kv_mem", parse_size(self.kv_mem))
 
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(KV_TYPES[self.kv_type])
 
+    def token_bytes(self, config) -> int:
+        """The memory one cached token takes in a model of `config`: its K and V in every layer
+        and KV head, and the policy's per-slot tables (slot positions; h2o: per head, with a
+        score)."""
+        L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        table = L * G * (8 + 4) if self.kv_policy == "h2o" else 8
+        return 2 * L * G * D * self.dtype.itemsize + table
+
+    def describe(self, config, tokens: int | None = None) -> str:
+        """Its memory in words: per token, and for `tokens` (default: its size) tokens."""
+        n, each = tokens or self.size_for(config), self.token_bytes(config)
+        return (f"{self.kv_policy} {self.kv_type}, {each / 1024:.1f} KiB per token: {n:,} tokens "
+                f"in {n * each / 2**20:,.0f} MiB")
+
     def size_for(self, config) -> int:
         """The cache's size in tokens for a model of `config`."""
-        return self.kv_size or min(config.max_position_embeddings, DEFAULT_SIZE)
+        if self.kv_size:
+            return self.kv_size
+        if self.kv_mem is not None:
+            size = self.kv_mem // self.token_bytes(config)
+            if size < 1:
+                raise CacheFullError(f"--kv-mem {self.kv_mem:,} bytes holds no token: one takes "
+                                     f"{self.token_bytes(config):,} bytes in a {self.kv_type} cache")
+            return size
+        return min(config.max_position_embeddings, DEFAULT_SIZE)
 
 
 class KVLayout(NamedTuple):
@@ -335,14 +368,28 @@ class SinkCache(KVCache):
         self.rotated_shift = 0
 
 
+# per token appended, the factor on every earlier query's share of an h2o score (a time
+# constant of about 100 tokens): long enough to keep what the text keeps returning to, short
+# enough to let go of what it has left (chosen with benchmarks/kv_policies.py budget; README)
+SCORE_DECAY = 0.99
+SCORE_FLOOR = 1e-30     # a score decayed below this is 0 (no slow denormal arithmetic)
+
+
 class H2OCache(SinkCache):
     """H2O (Zhang et al., 2023) with attention sinks: the first n_sink tokens stay, the `recent`
     most recent tokens stay, and the other capacity - n_sink - recent slots keep the heavy
-    hitters: the tokens that have received the most attention, summed over every query since
-    they came in (prefill and decode) and over the query heads of a GQA group. Each KV head of
-    each layer keeps its own set (its own slot table, `slot_pos` [L, G, capacity]); a new token
-    takes, in every head, the slot of the lowest-scored token outside the sinks and the recent
-    window (ties: the lowest slot), or a free slot while there is one.
+    hitters: the tokens that have received the most attention lately. A token's score is the
+    attention it received from every query (prefill and decode, summed over the query heads of
+    a GQA group), each query's weight decaying by SCORE_DECAY for every token appended after it
+    (a chunk of n tokens: the scores decay by SCORE_DECAY**n, then its queries add theirs).
+    Each KV head of each layer keeps its own set (its own slot table, `slot_pos` [L, G,
+    capacity]); a new token takes, in every head, the slot of the lowest-scored token outside
+    the sinks and the recent window (ties: the lowest slot), or a free slot while there is one.
+
+    Why a decaying sum and not H2O's plain one: a plain sum favours old tokens, which have had
+    more queries to collect attention from, so the heavy hitters go stale as the text moves on,
+    and on texts whose context is mostly local (code, documentation) h2o then loses to a sink
+    cache of the same size (benchmarks/kv_policies.py budget; the README has the figures).
 
     Tokens keep the RoPE rotation of their stream position, so the distance between a query and a
     heavy hitter is the true one; the sinks are re-rotated as SinkCache does, to sit just before
@@ -378,6 +425,8 @@ class H2OCache(SinkCache):
         pos = self._positions(n)
         slots = np.empty((L, G, n), np.int64)
         slots[..., :n - evict] = np.arange(held, held + n - evict)
+        self.score *= np.float32(SCORE_DECAY ** n)
+        self.score[self.score < SCORE_FLOOR] = 0
         if evict:      # the lowest scored outside the sinks and the recent window (there are
                        # at least n of those: n <= window)
             slots[..., n - evict:] = self.backend.lowest_scored(

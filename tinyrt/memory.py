@@ -3,7 +3,20 @@ too large a model or KV cache gets a clear error with the figures instead of the
 
 from __future__ import annotations
 
+import re
+
 from tinyrt.errors import TinyrtError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000000' -> bytes (TinyrtError if not a positive size)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m[2].lower() not in _UNITS or float(m[1]) * _UNITS[m[2].lower()] < 1:
+        raise TinyrtError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB)")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
 
 
 def available_bytes() -> int | None:

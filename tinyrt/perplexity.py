@@ -74,7 +74,8 @@ def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
         windows = min(windows, max_windows)
     if windows == 0:
         raise TinyrtError(f"the text has {len(ids)} tokens: fewer than one window of {ctx}")
-    cache = make_cache(dataclasses.replace(llm.cache_options, kv_policy="dense", kv_size=ctx),
+    cache = make_cache(dataclasses.replace(llm.cache_options, kv_policy="dense", kv_size=ctx,
+                                           kv_mem=None),
                        llm.model)
     start = time.perf_counter()
     nll = 0.0

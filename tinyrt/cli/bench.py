@@ -48,7 +48,8 @@ def main(args: argparse.Namespace) -> int:
           f"{r['decode_tokens']} tokens)\n"
           f"  peak RSS       {r['peak_rss_mb']:8.0f} MB\n"
           f"  read/token     {r['weight_mb_per_token']:8.1f} MB weights + "
-          f"{r['kv_mb_per_token']:.1f} MB KV cache -> {r['decode_gb_s']:.1f} GB/s")
+          f"{r['kv_mb_per_token']:.1f} MB KV cache -> {r['decode_gb_s']:.1f} GB/s\n"
+          f"  KV cache       {r['kv_cache']}")
     s = r.get("speculative")
     if s:
         print(f"  draft          {s['drafter']}: {s['accept_rate']:.0%} of drafts accepted, "

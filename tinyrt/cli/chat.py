@@ -211,8 +211,9 @@ class Terminal:
     def run(self) -> int:
         prompt = self._prompt_session()
         llm = self.session.llm
-        self.out.note(f"{llm.directory.name} · {llm.cache.policy} KV cache of "
-                      f"{llm.cache.capacity} · /help for commands, Ctrl-D to quit")
+        self.out.note(f"{llm.directory.name} · KV cache "
+                      f"{llm.cache_options.describe(llm.config, llm.cache.capacity)} · /help for "
+                      "commands, Ctrl-D to quit")
         while True:
             try:
                 line = prompt.prompt("> ")

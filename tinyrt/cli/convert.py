@@ -69,7 +69,8 @@ class ConvertProgress:
 
 def main(args: argparse.Namespace) -> int:
     from tinyrt.converters import convert
-    from tinyrt.converters.conversion import bits_per_weight, parse_size
+    from tinyrt.converters.conversion import bits_per_weight
+    from tinyrt.memory import parse_size
 
     shard_bytes = parse_size(args.max_shard_size)
 

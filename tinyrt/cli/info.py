@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
 
 def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str, str]]]:
     """(what the file is, its HF config, (kind, stored as, runs as) per kind of tensor)."""
+    from tinyrt.kv_cache import CacheOptions
     from tinyrt.models import open_weights
 
     cfg, weights = open_weights(path)
@@ -31,6 +32,8 @@ def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str,
     q = cfg.quant
     rows.append(("quantization", f"AWQ {q.bits}-bit, groups of {q.group_size}" if q
                  else "per tensor, as below" if weights.quantized else "none (float weights)"))
+    rows.append(("KV cache", CacheOptions().describe(cfg) + " by default (--kv-size N or "
+                 "--kv-mem SIZE, --kv-type f16|f32)"))
     return rows, cfg.to_dict(), weights.describe()
 
 

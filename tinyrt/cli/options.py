@@ -63,9 +63,13 @@ def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
                    help="KV cache policy: dense (fill, then stop), sink (StreamingLLM: keep the "
                         "first --sinks tokens and a ring of the most recent; streams forever) or "
                         f"h2o (sinks, --recent tokens and the heavy hitters; streams) (default {policy})")
-    g.add_argument("--kv-size", type=int, default=size,
+    g.add_argument("--kv-size", type=int, default=None,
                    help="KV cache size in tokens" + (f" (default {size})" if size else
                                                      " (default: the model context, at most 4096)"))
+    g.add_argument("--kv-mem", default=None, metavar="SIZE",
+                   help="KV cache size as memory, e.g. 512MB or 2GiB: as many tokens as fit "
+                        "(instead of --kv-size)")
+    g.set_defaults(kv_size_default=size)
     g.add_argument("--sinks", type=int, default=4,
                    help="attention sinks kept by sink and h2o (default 4; 0 with sink: a sliding window)")
     g.add_argument("--recent", type=int, default=None,
@@ -79,8 +83,9 @@ def cache_options(args: argparse.Namespace):
     """The KV cache options (kv_cache.CacheOptions) given on the command line."""
     from tinyrt.kv_cache import CacheOptions
 
-    return CacheOptions(kv_policy=args.kv_policy, kv_size=args.kv_size, kv_type=args.kv_type,
-                        sinks=args.sinks, recent=args.recent)
+    size = args.kv_size if args.kv_size is not None or args.kv_mem else args.kv_size_default
+    return CacheOptions(kv_policy=args.kv_policy, kv_size=size, kv_mem=args.kv_mem,
+                        kv_type=args.kv_type, sinks=args.sinks, recent=args.recent)
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:

@@ -54,7 +54,8 @@ def main(args: argparse.Namespace) -> int:
 
     with bar:
         if args.stream:
-            result = stream_perplexity(llm, text, cache_options(args),
+            options = cache_options(args)
+            result = stream_perplexity(llm, text, options,
                                        max_tokens=args.max_tokens, progress=progress)
         else:
             result = perplexity(llm, text, ctx=args.ctx, max_windows=args.max_windows,
@@ -63,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict()))
     elif args.stream:
         print(f"ppl {result.ppl:.4f} over {result.tokens} tokens streamed through a "
-              f"{args.kv_policy} cache of {args.kv_size}, {result.seconds:.1f} s")
+              f"{args.kv_policy} cache of {options.size_for(llm.config)}, "
+              f"{result.seconds:.1f} s")
     else:
         print(f"ppl {result.ppl:.4f} over {result.tokens} tokens ({result.windows} windows of "
               f"{args.ctx}), {result.seconds:.1f} s")
