@@ -75,7 +75,8 @@ def long(llm, text, args):
 
 
 def budget(llm, text, args):
-    budgets = sorted({64, 128, 256, 512, 1024} | {round(f * args.tokens) for f in (0.1, 0.2, 0.4)})
+    budgets = sorted(set(args.budgets or ()) or {64, 128, 256, 512, 1024} |
+                     {round(f * args.tokens) for f in (0.1, 0.2, 0.4)})
     dense = stream(llm, text, "dense", args.tokens, 0, args.tokens).ppl
     runs = {"window": ("sink", 0), "sink (4)": ("sink", 4), "h2o (4)": ("h2o", 4)}
     curves = {name: [] for name in runs}
@@ -149,6 +150,8 @@ def main():
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--kv-size", type=int, default=1024)
     p.add_argument("--plot", default=None)
+    p.add_argument("--budgets", type=int, nargs="+", default=None,
+                   help="budget: these cache sizes (default 64 to 1024 and 10, 20, 40 %% of the text)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

@@ -25,8 +25,8 @@ METHODS = ("awq", "rtn", "none")
 FLOAT_DTYPES = {"f16": np.float16, "f32": np.float32}
 TORCH_DTYPE_NAMES = {"f16": "float16", "f32": "float32"}
 GROUP_SIZES = (128, 64, 32)
-# the most bytes of tensors per safetensors file, as transformers' save_pretrained and mlx-lm
-# write them: a file a filesystem and a download handle
+# the most bytes of tensors per safetensors file, transformers' save_pretrained's and mlx-lm's
+# default: files that any filesystem and download take
 DEFAULT_SHARD_BYTES = 5 * 10**9
 
 # progress(done, total, what): called as tensors (float) or layers (quantized) are done
@@ -138,7 +138,7 @@ def _nbytes(spec) -> int:
     return int(np.prod(spec[2], dtype=np.int64)) * np.dtype(spec[1]).itemsize
 
 
-def shard_plan(specs: list, max_bytes: int) -> list[list]:
+def _shard_plan(specs: list, max_bytes: int) -> list[list]:
     """`specs` (name, dtype, shape) in file order, cut into runs of at most `max_bytes` of
     tensors each (a tensor larger than that alone in its run)."""
     shards: list[list] = [[]]
@@ -158,7 +158,7 @@ def _write_shards(directory: Path, specs: list, arrays: Iterator[np.ndarray],
     """The tensors into `model.safetensors`, or, past `max_bytes`, into shards
     model-0000i-of-0000n.safetensors named by model.safetensors.index.json (transformers'
     layout), written one after the other as `arrays` yields them."""
-    shards = shard_plan(specs, max_bytes)
+    shards = _shard_plan(specs, max_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
