@@ -75,8 +75,8 @@ def long(llm, text, args):
 
 
 def budget(llm, text, args):
-    budgets = sorted(set(args.budgets or ()) or {64, 128, 256, 512, 1024} |
-                     {round(f * args.tokens) for f in (0.1, 0.2, 0.4)})
+    budgets = sorted(set(args.budgets) if args.budgets else
+                     {64, 128, 256, 512, 1024} | {round(f * args.tokens) for f in (0.1, 0.2, 0.4)})
     dense = stream(llm, text, "dense", args.tokens, 0, args.tokens).ppl
     runs = {"window": ("sink", 0), "sink (4)": ("sink", 4), "h2o (4)": ("h2o", 4)}
     curves = {name: [] for name in runs}
