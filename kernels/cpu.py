@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
-from . import jit_cache, quant, reference, simd
+from . import cpu_kv, jit_cache, kv_quant, quant, reference, simd
 
 jit_cache.guard()
 
@@ -448,21 +448,19 @@ ATTENTION_BLOCK = 256    # cache slots per block of decode attention
 
 
 @njit(fastmath=True, cache=True)
-def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, g, out, top, total, probs):
+def _attention_slots(q, kg, vg, pg, o, q_pos, scale, window, s0, s1, g, R, out, top, total,
+                     probs):
     """Softmax attention of one query per head q [Q, D] over the cache slots [s0, s1) of KV head
     g, not yet normalized, for the R query heads h that read it: top[h] = the largest score,
     total[h] = sum of e**(score - top), and out[h] [D] = sum of e**(score - top) * v; probs
-    [Q, S] (when not empty) gets the e**(score - top). k, v: cache buffers [G, S, D] of float16
-    bits (uint16) or float32; k_pos [G, S] the positions their slots hold. The R heads read the
-    rows while they are in cache; the vector parts are simd.cache_dot / cache_axpy4, the last
-    D % LANES columns a loop."""
-    Q, D = q.shape
-    G = k.shape[0]
-    R = Q // G
+    [Q, S] (when not empty) gets the e**(score - top). kg, vg: the head's keys and values, slot
+    s in row s - o, float16 bits (uint16) or float32 [S - o, D]; pg [S] the positions the slots
+    hold. The R heads read the rows while they are in cache; the vector parts are
+    simd.cache_dot / cache_axpy4, the last D % LANES columns a loop."""
+    D = q.shape[1]
     Dv = D - D % simd.LANES
     scores = np.empty((R, s1 - s0), np.float32)
     keep = probs.shape[1] > 0
-    kg, vg, pg = k[g], v[g], k_pos[g]
     n = 0              # slots [s0, s0 + n) up to the last visible one: the sums below then
     for s in range(s0, s1):          # do not depend on hidden slots after it (to the bit)
         p = pg[s]
@@ -472,9 +470,9 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, g, out, top, 
             continue
         n = s - s0 + 1
         for r in range(R):
-            acc = simd.cache_dot(q, g * R + r, kg, s, Dv)
+            acc = simd.cache_dot(q, g * R + r, kg, s - o, Dv)
             for d in range(Dv, D):
-                acc += q[g * R + r, d] * simd.as_float(kg[s, d])
+                acc += q[g * R + r, d] * simd.as_float(kg[s - o, d])
             scores[r, s - s0] = acc * scale
     for r in range(R):
         h, sr = g * R + r, scores[r]
@@ -499,16 +497,165 @@ def _attention_slots(q, k, v, q_pos, k_pos, scale, window, s0, s1, g, out, top, 
             probs[h, s0:s0 + n] = sr[:n]
         s = s0
         while s + 4 <= s0 + n:
-            simd.cache_axpy4(sr, s - s0, vg, s, out, h, Dv)
+            simd.cache_axpy4(sr, s - s0, vg, s - o, out, h, Dv)
             s += 4
         for s in range(s, s0 + n):
             e = sr[s - s0]
             for d in range(Dv):
-                out[h, d] += e * simd.as_float(vg[s, d])
+                out[h, d] += e * simd.as_float(vg[s - o, d])
         for s in range(s0, s0 + n):
             e = sr[s - s0]
             for d in range(Dv, D):
-                out[h, d] += e * simd.as_float(vg[s, d])
+                out[h, d] += e * simd.as_float(vg[s - o, d])
+
+
+@njit(fastmath=True, cache=True)
+def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, window, s0, s1, g,
+                      out, top, total, probs):
+    """_attention_slots over a quantized cache (kernels.kv_quant, float16 arrays as uint16 bits),
+    read in place: a block in the float pool as float16 rows, a quantized one as its codes,
+    each row of codes taken apart once for the R query heads. Keys:
+    score = sum_d (q_d scale_d) code_d + sum_d q_d zero_d, the products and the second sum
+    taken once per block and head; values: out += (e scale) code per slot and channel group,
+    the e zero parts summed per group and added at the end. s0 is a multiple of the block."""
+    Q, D = q.shape
+    G = where.shape[0]
+    R = Q // G
+    B = fk.shape[2]
+    bits = vc.shape[2] * 8 // D
+    Gv = min(B, D)
+    Dv = D - D % simd.LANES
+    scores = np.empty((R, s1 - s0), np.float32)
+    kb = np.empty((R, B), np.float32)
+    cf = np.empty(max(B, D), np.float32)
+    zs = np.empty((R, D // Gv), np.float32)
+    keep = probs.shape[1] > 0
+    pg = k_pos[g]
+    n = 0
+    for j in range(s0 // B, (s1 + B - 1) // B):
+        a0, a1, e = j * B, min(s1, j * B + B), where[g, j]
+        if e < 0:          # the block's scores, B slots at a time along each key channel
+            for r in range(R):
+                b = np.float32(0)
+                for d in range(D):
+                    b += q[g * R + r, d] * simd.as_float(ks[g, j, 1, d])
+                kb[r, :] = b
+            kcj = kc[g, j]
+            for d in range(D):
+                cpu_kv.unpack(kcj[d], bits, cf)
+                sd = simd.as_float(ks[g, j, 0, d])
+                for r in range(R):
+                    qd = q[g * R + r, d] * sd
+                    for i in range(B):
+                        kb[r, i] += qd * cf[i]
+        for s in range(a0, a1):
+            p = pg[s]
+            if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
+                for r in range(R):
+                    scores[r, s - s0] = -np.inf
+                continue
+            n = s - s0 + 1
+            for r in range(R):
+                if e < 0:
+                    acc = kb[r, s - a0]
+                else:
+                    acc = simd.cache_dot(q, g * R + r, fk[g, e], s - a0, Dv)
+                    for d in range(Dv, D):
+                        acc += q[g * R + r, d] * simd.as_float(fk[g, e, s - a0, d])
+                scores[r, s - s0] = acc * scale
+    for r in range(R):
+        h, sr = g * R + r, scores[r]
+        m = np.float32(-np.inf)
+        for i in range(n):
+            m = simd.fmax(m, sr[i])
+        top[h] = m
+        if keep:
+            probs[h, s0 + n:s1] = 0
+        if m == -np.inf:
+            total[h] = 0
+            if keep:
+                probs[h, s0:s1] = 0
+            sr[:] = 0
+            continue
+        t = np.float32(0)
+        for i in range(n):
+            x = exp(sr[i] - m)
+            sr[i] = x
+            t += x
+        total[h] = t
+        if keep:
+            probs[h, s0:s0 + n] = sr[:n]
+    zs[:] = 0
+    for j in range(s0 // B, (s0 + n + B - 1) // B):
+        a0, a1, e = j * B, min(s0 + n, j * B + B), where[g, j]
+        if e >= 0:
+            fvg = fv[g, e]
+            for r in range(R):
+                h, sr = g * R + r, scores[r]
+                s = a0
+                while s + 4 <= a1:
+                    simd.cache_axpy4(sr, s - s0, fvg, s - a0, out, h, Dv)
+                    s += 4
+                for s in range(s, a1):
+                    for d in range(Dv):
+                        out[h, d] += sr[s - s0] * simd.as_float(fvg[s - a0, d])
+                for s in range(a0, a1):
+                    for d in range(Dv, D):
+                        out[h, d] += sr[s - s0] * simd.as_float(fvg[s - a0, d])
+            continue
+        for s in range(a0, a1):
+            cpu_kv.unpack(vc[g, s], bits, cf)
+            for gi in range(D // Gv):
+                sc, ze = simd.as_float(vs[g, s, 0, gi]), simd.as_float(vs[g, s, 1, gi])
+                src = cf[gi * Gv:(gi + 1) * Gv]
+                for r in range(R):
+                    x = scores[r, s - s0]
+                    zs[r, gi] += x * ze
+                    a = x * sc
+                    dst = out[g * R + r, gi * Gv:(gi + 1) * Gv]
+                    for d in range(Gv):
+                        dst[d] += a * src[d]
+    for r in range(R):
+        for d in range(D):
+            out[g * R + r, d] += zs[r, d // Gv]
+
+
+@njit(fastmath=True, cache=True)
+def _merge(outs, tops, totals, probs, score, R):
+    """The blocks' partial softmaxes of attention_decode merged, in order: [T, Q, D]; their
+    weights added to score [G, S'] (unless it is empty)."""
+    T, blocks, Q, D = outs.shape
+    S = probs.shape[2]
+    out = np.zeros((T, Q, D), np.float32)
+    for t in range(T):
+        for h in range(Q):
+            m = np.float32(-np.inf)
+            for b in range(blocks):
+                m = max(m, tops[t, b, h])
+            denom = np.float32(0)
+            for b in range(blocks):
+                if totals[t, b, h] > 0:
+                    f = exp(tops[t, b, h] - m)
+                    denom += f * totals[t, b, h]
+                    out[t, h] += f * outs[t, b, h]
+            out[t, h] /= denom
+            if score.shape[1] > 0:           # the weights: e**(score - top_b) * e**(top_b - m) / denom
+                sg = score[h // R]
+                for b in range(blocks):
+                    if totals[t, b, h] > 0:
+                        f = exp(tops[t, b, h] - m) / denom
+                        for s in range(b * ATTENTION_BLOCK, min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK)):
+                            sg[s] += probs[t, h, s] * f
+    return out
+
+
+@njit(cache=True)
+def _partials(T, Q, D, S, keep):
+    """attention_decode's per-block buffers: outs, tops, totals, probs."""
+    blocks = max(1, (S + ATTENTION_BLOCK - 1) // ATTENTION_BLOCK)
+    return (np.zeros((T, blocks, Q, D), np.float32), np.empty((T, blocks, Q), np.float32),
+            np.empty((T, blocks, Q), np.float32),
+            np.empty((T, Q if keep else 1, S if keep else 0), np.float32))
 
 
 @njit(parallel=_prange_only(), fastmath=True, cache=True)
@@ -525,41 +672,38 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
     change nothing in its result, to the bit."""
     T, Q, D = q.shape
     G, S = k_pos.shape
-    keep = score.shape[1] > 0
-    probs = np.empty((T, Q if keep else 1, S if keep else 0), np.float32)
-    blocks = max(1, (S + ATTENTION_BLOCK - 1) // ATTENTION_BLOCK)
+    outs, tops, totals, probs = _partials(T, Q, D, S, score.shape[1] > 0)
+    blocks = outs.shape[1]
     items = T * blocks * G                  # (query, block, KV head)
     tasks = min(threads, items)
-    outs = np.zeros((T, blocks, Q, D), np.float32)
-    tops = np.empty((T, blocks, Q), np.float32)
-    totals = np.empty((T, blocks, Q), np.float32)
     for task in prange(tasks):
         for i in range(task, items, tasks):
             t, b, g = i // (blocks * G), i // G % blocks, i % G
-            _attention_slots(q[t], k, v, q_pos[t], k_pos, scale, window, b * ATTENTION_BLOCK,
-                             min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK), g, outs[t, b],
-                             tops[t, b], totals[t, b], probs[t])
-    out = np.zeros((T, Q, D), np.float32)
-    for t in range(T):
-        for h in range(Q):
-            m = np.float32(-np.inf)
-            for b in range(blocks):
-                m = max(m, tops[t, b, h])
-            denom = np.float32(0)
-            for b in range(blocks):
-                if totals[t, b, h] > 0:
-                    f = exp(tops[t, b, h] - m)
-                    denom += f * totals[t, b, h]
-                    out[t, h] += f * outs[t, b, h]
-            out[t, h] /= denom
-            if keep:                         # the weights: e**(score - top_b) * e**(top_b - m) / denom
-                sg = score[h // (Q // G)]
-                for b in range(blocks):
-                    if totals[t, b, h] > 0:
-                        f = exp(tops[t, b, h] - m) / denom
-                        for s in range(b * ATTENTION_BLOCK, min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK)):
-                            sg[s] += probs[t, h, s] * f
-    return out
+            _attention_slots(q[t], k[g], v[g], k_pos[g], 0, q_pos[t], scale, window,
+                             b * ATTENTION_BLOCK, min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK),
+                             g, Q // G, outs[t, b], tops[t, b], totals[t, b], probs[t])
+    return _merge(outs, tops, totals, probs, score, Q // G)
+
+
+@njit(parallel=_prange_only(), fastmath=True, cache=True)
+def attention_decode_q(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, window, threads,
+                       score):
+    """attention_decode over a quantized cache (kernels.kv_quant's arrays, float16 ones as
+    uint16 bits), read in place (_attention_qslots): no float copy of the cache."""
+    T, Q, D = q.shape
+    G, S = k_pos.shape
+    outs, tops, totals, probs = _partials(T, Q, D, S, score.shape[1] > 0)
+    blocks = outs.shape[1]
+    items = T * blocks * G
+    tasks = min(threads, items)
+    for task in prange(tasks):
+        for i in range(task, items, tasks):
+            t, b, g = i // (blocks * G), i // G % blocks, i % G
+            _attention_qslots(q[t], kc, ks, vc, vs, fk, fv, where, q_pos[t], k_pos, scale,
+                              window, b * ATTENTION_BLOCK,
+                              min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK), g, outs[t, b],
+                              tops[t, b], totals[t, b], probs[t])
+    return _merge(outs, tops, totals, probs, score, Q // G)
 
 
 @njit(cache=True)
@@ -665,17 +809,9 @@ def attention_prompt(q, k, v, q_pos, k_pos, scale, window=None, score=None, bloc
 # -- one decoder layer for one token, fused ------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
-def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
-                 k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
-    """A few tokens x [T, H] (a decode step, a draft's verification) through one decoder layer
-    of quantized linears (QLinear: qkv, o, gate_up, down), in place; their K/V go to `slots`
-    [G, T] of the cache buffers k_buf, v_buf [G, S, D] (k_pos [G, S] already holds their
-    positions `pos` [T]; score as for attention_decode); qkv_b [(Q+2G)*D] the q/k/v biases, or
-    empty: none. The ops of the model file's layer (models.llama LlamaModel.layer) in a single
-    call, so the costs of a call from Python are paid once per layer; each token's result is
-    the one it gets alone, to the bit."""
-    T, H = x.shape
-    G, D = k_buf.shape[0], k_buf.shape[2]
+def _layer_qkv(x, in_norm, eps, qkv, qkv_b, cos, sin, n_heads, G, D, threads):
+    """decode_layer's first part: the tokens' q [T, Q, D], k and v [T, G, D], RoPE applied."""
+    T = x.shape[0]
     Qd, Gd = n_heads * D, G * D
     qkv_out = np.empty((T, Qd + 2 * Gd), np.float32)
     q_gemv(rmsnorm(x, in_norm, eps), qkv, qkv_out, threads)
@@ -684,10 +820,15 @@ def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
             qkv_out[t] += qkv_b
     q = rope(np.ascontiguousarray(qkv_out[:, :Qd]).reshape(T, n_heads, D), cos, sin)
     k = rope(np.ascontiguousarray(qkv_out[:, Qd:Qd + Gd]).reshape(T, G, D), cos, sin)
-    store_kv(k_buf, v_buf, slots, k, np.ascontiguousarray(qkv_out[:, Qd + Gd:]).reshape(T, G, D))
-    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads, score)
+    return q, k, np.ascontiguousarray(qkv_out[:, Qd + Gd:]).reshape(T, G, D)
+
+
+@njit(fastmath=True, cache=True)
+def _layer_rest(x, a, post_norm, eps, o, gate_up, down, threads):
+    """decode_layer's last part, from the attention's output a [T, Q, D]: x updated in place."""
+    T, H = x.shape
     y = np.empty((T, H), np.float32)
-    q_gemv(a.reshape(T, Qd), o, y, threads)
+    q_gemv(a.reshape(T, a.shape[1] * a.shape[2]), o, y, threads)
     x += y
     n_inner = down.lo.shape[1] * 8
     gu = np.empty((T, 2 * n_inner), np.float32)
@@ -697,6 +838,37 @@ def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
         _swiglu_row(gu[t], act[t])
     q_gemv(act, down, y, threads)
     x += y
+
+
+@njit(fastmath=True, cache=True)
+def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
+                 k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
+    """A few tokens x [T, H] (a decode step, a draft's verification) through one decoder layer
+    of quantized linears (QLinear: qkv, o, gate_up, down), in place; their K/V go to `slots`
+    [G, T] of the cache buffers k_buf, v_buf [G, S, D] (k_pos [G, S] already holds their
+    positions `pos` [T]; score as for attention_decode); qkv_b [(Q+2G)*D] the q/k/v biases, or
+    empty: none. The ops of the model file's layer (models.llama LlamaModel.layer) in a single
+    call, so the costs of a call from Python are paid once per layer; each token's result is
+    the one it gets alone, to the bit."""
+    q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, cos, sin, n_heads, k_buf.shape[0],
+                         k_buf.shape[2], threads)
+    store_kv(k_buf, v_buf, slots, k, v)
+    a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads, score)
+    _layer_rest(x, a, post_norm, eps, o, gate_up, down, threads)
+
+
+@njit(fastmath=True, cache=True)
+def decode_layer_q(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
+                   kc, ks, vc, vs, fk, fv, where, owner, stamp, pin,
+                   slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
+    """decode_layer over a quantized cache (kernels.kv_quant's arrays, float16 ones as uint16
+    bits)."""
+    q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, cos, sin, n_heads, where.shape[0],
+                         fk.shape[3], threads)
+    cpu_kv.store_kv(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v)
+    a = attention_decode_q(q, kc, ks, vc, vs, fk, fv, where, pos, k_pos, scale, window, threads,
+                           score)
+    _layer_rest(x, a, post_norm, eps, o, gate_up, down, threads)
 
 
 # -- the backend ---------------------------------------------------------------------------------
@@ -714,6 +886,11 @@ def _bits(buf: np.ndarray) -> np.ndarray:
     """A KV buffer as the kernels take it: float16 as its uint16 bits (Numba's CPU target has no
     float16), float32 as it is."""
     return buf.view(np.uint16) if buf.dtype == np.float16 else buf
+
+
+def _quant_arrays(store: kv_quant.QuantKV) -> tuple:
+    """A quantized cache's arrays as the kernels take them (_bits), and its pinned blocks."""
+    return tuple(_bits(a) for a in store[:-1]) + (store.pin,)
 
 
 class CpuBackend(reference.ReferenceBackend):
@@ -796,11 +973,15 @@ class CpuBackend(reference.ReferenceBackend):
         decode_layer)."""
         x = np.array(x, np.float32)
         bias = _NO_SCALES if layer.qkv_bias is None else layer.qkv_bias
-        decode_layer(x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), layer.qkv,
-                     bias, layer.o, layer.gate_up, layer.down, _bits(kv.k), _bits(kv.v), kv.slots,
-                     np.ascontiguousarray(pos, np.int64), kv.k_pos, _scores(kv.score), cos, sin,
-                     cfg.num_attention_heads,
-                     np.float32(cfg.head_dim ** -0.5), cfg.sliding_window or 0, self.threads)
+        weights = (x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), layer.qkv,
+                   bias, layer.o, layer.gate_up, layer.down)
+        rest = (kv.slots, np.ascontiguousarray(pos, np.int64), kv.k_pos, _scores(kv.score), cos,
+                sin, cfg.num_attention_heads, np.float32(cfg.head_dim ** -0.5),
+                cfg.sliding_window or 0, self.threads)
+        if isinstance(kv.k, kv_quant.QuantKV):
+            decode_layer_q(*weights, *_quant_arrays(kv.k), *rest)
+        else:
+            decode_layer(*weights, _bits(kv.k), _bits(kv.v), *rest)
         return x
 
     def rmsnorm(self, x, w, eps):
@@ -816,7 +997,15 @@ class CpuBackend(reference.ReferenceBackend):
         if q.ndim == 4:
             return reference.attention(q, k, v, q_pos, k_pos, scale, window, score)
         # [G, S], writable (a read-only array would compile, and round, apart)
-        k_pos = np.ascontiguousarray(k_pos if k_pos.ndim == 2 else np.tile(k_pos, (k.shape[0], 1)))
+        quantized = isinstance(k, kv_quant.QuantKV)
+        G = k.where.shape[0] if quantized else k.shape[0]
+        k_pos = np.ascontiguousarray(k_pos if k_pos.ndim == 2 else np.tile(k_pos, (G, 1)))
+        if quantized and q.shape[0] <= SMALL_TOKENS:
+            return attention_decode_q(np.ascontiguousarray(q, np.float32), *_quant_arrays(k)[:7],
+                                      np.ascontiguousarray(q_pos, np.int64), k_pos,
+                                      np.float32(scale), window or 0, self.threads, _scores(score))
+        if quantized:          # a prompt: BLAS over a float32 copy, as of a float16 cache
+            k, v = self.read_kv(k, None, k_pos.shape[1])
         if q.shape[0] > SMALL_TOKENS:
             with self._one_blas_thread():
                 return attention_prompt(q, k, v, q_pos, k_pos, scale, window, score)
@@ -829,6 +1018,17 @@ class CpuBackend(reference.ReferenceBackend):
 
     lowest_scored = staticmethod(lowest_scored)
 
+    def read_kv(self, k_buf, v_buf, n):
+        if not isinstance(k_buf, kv_quant.QuantKV):
+            return super().read_kv(k_buf, v_buf, n)
+        N, D = k_buf.where.shape[0], k_buf.head_dim
+        k, v = np.empty((N, n, D), np.float32), np.empty((N, n, D), np.float32)
+        cpu_kv.dequantize(*_quant_arrays(k_buf)[:7], n, k, v)
+        return k, v
+
     def store_kv(self, k_buf, v_buf, slots, k, v):
+        if isinstance(k_buf, kv_quant.QuantKV):
+            return cpu_kv.store_kv(*_quant_arrays(k_buf), slots, np.ascontiguousarray(k, np.float32),
+                                   np.ascontiguousarray(v, np.float32))
         store_kv(_bits(k_buf), _bits(v_buf), slots, np.ascontiguousarray(k, np.float32),
                  np.ascontiguousarray(v, np.float32))

@@ -290,6 +290,7 @@ class CudaBackend(reference.ReferenceBackend):
 
     name = "cuda"
     host_memory = False
+    quantized_kv = False     # its kernels read float16 and float32 caches only, so far
 
     def __init__(self):
         self.sim = bool(numba.config.ENABLE_CUDASIM)

@@ -10,7 +10,7 @@ import mmap
 
 import numpy as np
 
-from . import quant
+from . import kv_quant, quant
 
 
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -69,7 +69,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
               scale: float, window: int | None = None, score: np.ndarray | None = None) -> np.ndarray:
     """Grouped-query attention of T queries over S cached keys, for prefill and decode alike.
 
-    q [T, Q, D]; k, v [G, S', D]; q_pos [T] are the queries' positions, k_pos [S] or [G, S] the
+    q [T, Q, D]; k, v [G, S', D] (or k a kv_quant.QuantKV of G rows, read dequantized); q_pos
+    [T] are the queries' positions, k_pos [S] or [G, S] the
     positions the cache slots hold (per KV head when the heads keep different tokens; -1 marks
     an empty slot); slots S and beyond (S' >= S, a whole cache buffer) are not read. A query sees
     a key when k_pos <= q_pos (causal) and, with a sliding window, q_pos - k_pos < window. Slots
@@ -79,6 +80,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
     Returns [T, Q, D] float32. A leading batch dimension B on q, k and v ([B, T, Q, D],
     [B, G, S, D]) runs B sequences with the same positions at once.
     """
+    if isinstance(k, kv_quant.QuantKV):
+        k, v = kv_quant.dequantize(k, k_pos.shape[-1])
     batched = q.ndim == 4
     if not batched:
         q, k, v = q[None], k[None], v[None]
@@ -126,6 +129,7 @@ class ReferenceBackend:
 
     name = "reference"
     host_memory = True       # its arrays (weights, KV cache) live in the machine's RAM
+    quantized_kv = True      # whether it reads a kv_quant.QuantKV cache
 
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         """A zeroed array whose pages are mapped as they are first written, 4 KiB at a time, so a
@@ -190,13 +194,24 @@ class ReferenceBackend:
                  k: np.ndarray, v: np.ndarray) -> None:
         """Write k, v [T, G, D] into the cache buffers [G, S, D], KV head g's rows at its slots
         slots[g] ([G, T]). Into float16 buffers, rounded to nearest and clamped to the finite
-        range (no infinities to meet an attention weight of 0)."""
+        range (no infinities to meet an attention weight of 0); into a quantized cache
+        (k_buf a kv_quant.QuantKV, v_buf unused) as kv_quant.store_kv."""
+        if isinstance(k_buf, kv_quant.QuantKV):
+            return kv_quant.store_kv(k_buf, slots, k, v)
         if k_buf.dtype == np.float16:
             top = np.finfo(np.float16).max
             k, v = np.clip(k, -top, top), np.clip(v, -top, top)
         for g in range(k_buf.shape[0]):
             k_buf[g, slots[g]] = k[:, g]
             v_buf[g, slots[g]] = v[:, g]
+
+    def read_kv(self, k_buf, v_buf, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slots [0, n) of cache buffers [N, S, D] (or of a kv_quant.QuantKV k_buf: its K and V)
+        as float32 k, v [N, n, D] on the host."""
+        if isinstance(k_buf, kv_quant.QuantKV):
+            return kv_quant.dequantize(k_buf, n)
+        return (self.to_numpy(k_buf[:, :n]).astype(np.float32),
+                self.to_numpy(v_buf[:, :n]).astype(np.float32))
 
     @staticmethod
     def to_numpy(x) -> np.ndarray:

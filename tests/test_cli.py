@@ -104,6 +104,11 @@ def test_errors_are_one_clear_line(tmp_path):
     _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--kv-mem", "lots"), "not a size")
     p = tinyrt("generate", "-m", str(d), "hi", "--kv-mem", "64KB", "--max-tokens", "3")
     assert p.returncode == 0, p.stderr
+    _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--kv-type", "q4", "--kv-group", "3"),
+                    "power of two")
+    p = tinyrt("generate", "-m", str(d), "hi", "--kv-type", "q2", "--kv-group", "4",
+               "--kv-residual", "0", "--max-tokens", "8", "--json")
+    assert p.returncode == 0, p.stderr
     p = tinyrt("info", str(d))
     assert p.returncode == 0 and "KV cache" in p.stdout and "KiB per token" in p.stdout, p.stdout
 

@@ -33,24 +33,34 @@ float32 ("f32") keeps the float path bit-comparable with float32 references.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from tinyrt.errors import CacheFullError, TinyrtError
+from tinyrt.kernels import kv_quant
 from tinyrt.memory import ensure_fits, parse_size
 
-KV_TYPES = {"f16": np.float16, "f32": np.float32}
+KV_TYPES = {"f16": np.float16, "f32": np.float32, **dict.fromkeys(kv_quant.BITS)}
 DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
+# KIVI's group (tokens per key scale, channels per value scale) and float residual (README: KV
+# cache quantization has the measurements)
+DEFAULT_GROUP = 64
+DEFAULT_RESIDUAL = 64
+MAX_GROUP = 256          # a block of decode attention's slots (kernels.cpu.ATTENTION_BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheOptions:
-    """How to build a KV cache (`--kv-policy`, `--kv-size` or `--kv-mem`, `--kv-type`, `--sinks`,
-    `--recent`): the size in tokens, or as memory (bytes, or a text such as "512MB": as many
-    tokens as fit, `token_bytes` each), or neither: the model's context, at most DEFAULT_SIZE;
-    sinks for sink and h2o, recent for h2o (None: its default); slack, slots kept for rolling
-    back drafts (sink)."""
+    """How to build a KV cache (`--kv-policy`, `--kv-size` or `--kv-mem`, `--kv-type`,
+    `--kv-group`, `--kv-residual`, `--sinks`, `--recent`): the size in tokens, or as memory
+    (bytes, or a text such as "512MB": as many tokens as fit, `token_bytes` each, after the
+    float residual's `fixed_bytes`), or neither: the model's context, at most DEFAULT_SIZE; the
+    element type (f16, f32, or KIVI codes of 8, 4 or 2 bits: kernels.kv_quant), and for codes
+    the group (a power of two) and the residual, the most recent tokens kept in float; sinks
+    for sink and h2o, recent for h2o (None: its default); slack, slots kept for rolling back
+    drafts (sink)."""
 
     kv_policy: str = "dense"
     kv_size: int | None = None
@@ -59,6 +69,8 @@ class CacheOptions:
     recent: int | None = None
     slack: int = 0
     kv_mem: int | str | None = None
+    kv_group: int = DEFAULT_GROUP
+    kv_residual: int = DEFAULT_RESIDUAL
 
     def __post_init__(self):
         if self.kv_policy not in POLICIES:
@@ -75,34 +87,72 @@ class CacheOptions:
                 raise TinyrtError(f"the KV cache's memory must be bytes or a size such as 512MB, "
                                   f"not {self.kv_mem!r}")
             object.__setattr__(self, "kv_mem", parse_size(self.kv_mem))
+        for name in ("kv_group", "kv_residual"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 16:
+                raise TinyrtError(f"--{name.replace('_', '-')} must be a whole number from 0 to "
+                                  f"65536, not {value!r}")
+        group = self.kv_group
+        if not 1 <= group <= MAX_GROUP or group & (group - 1):
+            raise TinyrtError(f"--kv-group must be a power of two from 1 to {MAX_GROUP}, "
+                              f"not {group}")
+
+    @property
+    def bits(self) -> int | None:
+        """The bits of a quantized cache's codes, None for a float cache."""
+        return kv_quant.BITS.get(self.kv_type)
 
     @property
     def dtype(self) -> np.dtype:
+        """A float cache's element type."""
         return np.dtype(KV_TYPES[self.kv_type])
+
+    def check(self, layout) -> None:
+        """A TinyrtError if a model (a KVLayout, or a config) cannot have this cache."""
+        why = self.bits and kv_quant.check_layout(self.bits, self.kv_group, layout.head_dim)
+        if why:
+            raise TinyrtError(f"--kv-type {self.kv_type} with --kv-group {self.kv_group}: {why}")
 
     def token_bytes(self, config) -> int:
         """The memory one cached token takes in a model of `config`: its K and V in every layer
-        and KV head, and the policy's per-slot tables (slot positions; h2o: per head, with a
-        score)."""
+        and KV head (codes with their scales and zeros: kernels.kv_quant.token_bytes), and the
+        policy's per-slot tables (slot positions; h2o: per head, with a score)."""
         L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         table = L * G * (8 + 4) if self.kv_policy == "h2o" else 8
+        if self.bits:
+            return math.ceil(L * G * kv_quant.token_bytes(self.bits, self.kv_group, D)) + table
         return 2 * L * G * D * self.dtype.itemsize + table
+
+    def fixed_bytes(self, config) -> int:
+        """The memory a quantized cache takes whatever its size: its float pool (the residual,
+        the sinks and the block being filled, as float16 K and V, with its tables)."""
+        if not self.bits:
+            return 0
+        L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        pin = 0 if self.kv_policy == "dense" else -(-self.sinks // self.kv_group)
+        entries = kv_quant.pool_entries(self.kv_group, self.kv_residual, pin)
+        return L * G * entries * (2 * self.kv_group * D * 2 + 12)
 
     def describe(self, config, tokens: int | None = None) -> str:
         """Its memory in words: per token, and for `tokens` (default: its size) tokens."""
         n, each = tokens or self.size_for(config), self.token_bytes(config)
+        fixed = self.fixed_bytes(config)
+        residual = f" (and {fixed / 2**20:,.1f} MiB of float residual)" if fixed else ""
         return (f"{self.kv_policy} {self.kv_type}, {each / 1024:.1f} KiB per token: {n:,} tokens "
-                f"in {n * each / 2**20:,.0f} MiB")
+                f"in {(n * each + fixed) / 2**20:,.0f} MiB{residual}")
 
     def size_for(self, config) -> int:
         """The cache's size in tokens for a model of `config`."""
         if self.kv_size:
             return self.kv_size
         if self.kv_mem is not None:
-            size = self.kv_mem // self.token_bytes(config)
+            size = (self.kv_mem - self.fixed_bytes(config)) // self.token_bytes(config)
             if size < 1:
-                raise CacheFullError(f"--kv-mem {self.kv_mem:,} bytes holds no token: one takes "
-                                     f"{self.token_bytes(config):,} bytes in a {self.kv_type} cache")
+                raise CacheFullError(
+                    f"--kv-mem {self.kv_mem:,} bytes holds no token: one takes "
+                    f"{self.token_bytes(config):,} bytes in a {self.kv_type} cache"
+                    + (f", after {self.fixed_bytes(config):,} bytes of float residual"
+                       if self.bits else ""))
             return size
         return min(config.max_position_embeddings, DEFAULT_SIZE)
 
@@ -144,15 +194,35 @@ class KVCache:
         if capacity <= 0:
             raise CacheFullError(f"the KV cache needs a positive size, got {capacity}")
         n_layers, kv_heads, head_dim, _ = layout
-        dtype = (options or CacheOptions()).dtype
+        options = options or CacheOptions()
+        options.check(layout)
+        self.quantized = bool(options.bits)
+        if self.quantized and not backend.quantized_kv:
+            raise TinyrtError(f"--kv-type {options.kv_type} runs on the cpu and reference devices; "
+                              f"the {backend.name} kernels read f16 and f32 caches")
+        if self.quantized:       # whole blocks of slots
+            B = options.kv_group
+            slots = -(-capacity // B) * B
+            pin = -(-options.sinks // B)
+            entries = kv_quant.pool_entries(B, options.kv_residual, pin)
+            need = n_layers * kv_heads * (kv_quant.token_bytes(options.bits, B, head_dim) * slots
+                                          + entries * 4 * B * head_dim)
+        else:
+            need = 2 * n_layers * kv_heads * capacity * head_dim * options.dtype.itemsize
         if backend.host_memory:          # a GPU reports its own shortage
-            ensure_fits(f"a KV cache of {capacity:,} tokens",
-                        2 * n_layers * kv_heads * capacity * head_dim * dtype.itemsize,
+            ensure_fits(f"a KV cache of {capacity:,} tokens", int(need),
                         ": choose a smaller --kv-size")
         self.layout, self.backend = layout, backend
         self.capacity, self.kv_heads = capacity, kv_heads
-        self.k = backend.zeros((n_layers, kv_heads, capacity, head_dim), dtype)
-        self.v = backend.zeros((n_layers, kv_heads, capacity, head_dim), dtype)
+        if self.quantized:
+            self.k = kv_quant.allocate((n_layers, kv_heads), slots, head_dim, options.bits, B,
+                                       entries, pin, backend.zeros)
+            self.v = None
+            self._per_layer = [(self.k.rows(i), None) for i in range(n_layers)]
+        else:
+            self.k = backend.zeros((n_layers, kv_heads, capacity, head_dim), options.dtype)
+            self.v = backend.zeros((n_layers, kv_heads, capacity, head_dim), options.dtype)
+            self._per_layer = list(zip(self.k, self.v))
         self.slot_pos = np.full(capacity, -1, dtype=np.int64)    # the position each slot holds
         self.length = 0        # tokens held
         self.span = 0          # slots [0, span) may be in use
@@ -167,13 +237,23 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the K and V buffers."""
-        return self.k.nbytes + self.v.nbytes
+        """Bytes of the K and V buffers (of a quantized cache: all its arrays)."""
+        return self.k.nbytes + (0 if self.quantized else self.v.nbytes)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one token's K and V in every layer."""
+        """Bytes of one token's K and V in every layer (quantized: codes, scales and zeros)."""
+        if self.quantized:
+            L, G, D, _ = self.layout
+            return round(L * G * kv_quant.token_bytes(self.k.bits, self.k.block, D))
         return self.nbytes // self.capacity
+
+    def _flat(self) -> tuple:
+        """The K and V buffers with every layer's KV heads as one axis of rows."""
+        if self.quantized:
+            return self.k.flat(), None
+        L, G, C, D = self.k.shape
+        return self.k.reshape(L * G, C, D), self.v.reshape(L * G, C, D)
 
     @property
     def free(self) -> int:
@@ -216,7 +296,7 @@ class KVCache:
     def layer(self, i: int) -> LayerView:
         """Layer i's buffers, the slots of the tokens of the last `allocate` and the positions
         slots [0, span) hold (see LayerView); no scores."""
-        return LayerView(self.k[i], self.v[i], self._slots, self._k_pos, None)
+        return LayerView(*self._per_layer[i], self._slots, self._k_pos, None)
 
     def rollback(self, n: int) -> None:
         """Forget the last n appended tokens."""
@@ -230,6 +310,8 @@ class KVCache:
     def reset(self) -> None:
         self.slot_pos[...] = -1
         self.length = self.span = self.next_pos = 0
+        if self.quantized:
+            kv_quant.reset(self.k)
 
     def slot_positions(self) -> np.ndarray:
         """Positions of slots [0, span) (-1 for a free slot)."""
@@ -319,21 +401,16 @@ class SinkCache(KVCache):
         if not n or shift == self.rotated_shift:
             return
         be, inv_freq = self.backend, self.layout.inv_freq
-        L, G, C, D = self.k.shape
-        k_buf, v_buf = self.k.reshape(L * G, C, D), self.v.reshape(L * G, C, D)
-        if self.sink_keys is None:
+        k_buf, v_buf = self._flat()
+        if self.sink_keys is None:       # rows [L*G, n, D] -> [n, L*G, D]
+            k, v = (np.ascontiguousarray(a.transpose(1, 0, 2))
+                    for a in be.read_kv(k_buf, v_buf, n))
             cos, sin = be.rope_tables(inv_freq, np.arange(n))
-            self.sink_keys = be.rope(self._rows(k_buf[:, :n]), cos, -sin)     # [n, L*G, D]
-            self.sink_values = self._rows(v_buf[:, :n])
+            self.sink_keys, self.sink_values = be.rope(k, cos, -sin), v
         cos, sin = be.rope_tables(inv_freq, np.arange(n) + shift)
-        slots = np.tile(np.arange(n), (L * G, 1))                                # [L*G, n]
+        slots = np.tile(np.arange(n), (self.sink_keys.shape[1], 1))              # [L*G, n]
         be.store_kv(k_buf, v_buf, slots, be.rope(self.sink_keys, cos, sin), self.sink_values)
         self.rotated_shift = shift
-
-    def _rows(self, buf) -> np.ndarray:
-        """Cache buffer rows [G, n, D] as float32 [n, G, D]."""
-        return np.ascontiguousarray(
-            self.backend.to_numpy(buf).astype(np.float32).transpose(1, 0, 2))
 
     def _check_chunk(self, n: int) -> None:
         if n > self.window:
@@ -415,7 +492,8 @@ class H2OCache(SinkCache):
         self.score = np.zeros((n_layers, kv_heads, capacity), np.float32)
         # each layer's buffers, slot table and scores, indexed once (layer() runs per layer
         # per token)
-        self._views = list(zip(self.k, self.v, self.slot_pos, self.score))
+        self._views = [(*kv, table, score) for kv, table, score
+                       in zip(self._per_layer, self.slot_pos, self.score)]
 
     def allocate(self, n: int) -> np.ndarray:
         self._check_chunk(n)

@@ -107,13 +107,15 @@ def stream_perplexity(llm, text: str, cache: CacheOptions, *, max_tokens: int | 
                       ) -> StreamPerplexity:
     """Feed `text` (tokenized whole; its first `skip` tokens dropped, then cut at `max_tokens`)
     one token at a time through a fresh KV cache built as `cache` says (its element type that
-    of the LLM's cache); perplexity over every next-token prediction. A dense cache must hold
+    of the LLM's cache, with its group and residual); perplexity over every next-token prediction. A dense cache must hold
     the whole text."""
     ids = np.asarray(llm.tokenizer.encode(text, add_special=True), dtype=np.int64)
     ids = ids[skip:skip + max_tokens if max_tokens else None]
     if len(ids) < 2:
         raise TinyrtError(f"the text has {len(ids)} tokens: nothing to predict")
-    options = dataclasses.replace(cache, kv_type=llm.cache_options.kv_type)
+    own = llm.cache_options
+    options = dataclasses.replace(cache, kv_type=own.kv_type, kv_group=own.kv_group,
+                                  kv_residual=own.kv_residual)
     cache = make_cache(options, llm.model)
     if not cache.fits(len(ids) - 1):
         raise TinyrtError(f"a dense cache of {cache.capacity} cannot hold {len(ids) - 1} tokens: "

@@ -33,7 +33,7 @@ def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str,
     rows.append(("quantization", f"AWQ {q.bits}-bit, groups of {q.group_size}" if q
                  else "per tensor, as below" if weights.quantized else "none (float weights)"))
     rows.append(("KV cache", CacheOptions().describe(cfg) + " by default (--kv-size N or "
-                 "--kv-mem SIZE, --kv-type f16|f32)"))
+                 "--kv-mem SIZE, --kv-type f16|f32|q8|q4|q2)"))
     return rows, cfg.to_dict(), weights.describe()
 
 

@@ -57,7 +57,7 @@ def add_draft_options(g) -> None:
 
 def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
     """The KV cache options (`g` a parser or argument group): policy, size, sinks, recent, type."""
-    from tinyrt.kv_cache import KV_TYPES, POLICIES
+    from tinyrt.kv_cache import DEFAULT_GROUP, DEFAULT_RESIDUAL, KV_TYPES, POLICIES
 
     g.add_argument("--kv-policy", choices=list(POLICIES), default=policy,
                    help="KV cache policy: dense (fill, then stop), sink (StreamingLLM: keep the "
@@ -76,7 +76,15 @@ def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
                    help="recent tokens kept by h2o (default 64, at most half of the cache less "
                         "the sinks; the rest holds the heavy hitters)")
     g.add_argument("--kv-type", choices=list(KV_TYPES), default="f16",
-                   help="KV cache element type (default f16: half the memory)")
+                   help="KV cache element type: f16, f32, or KIVI codes of 8, 4 or 2 bits, keys "
+                        "per channel and values per token (q4: a quarter of f16's memory) "
+                        "(default f16)")
+    g.add_argument("--kv-group", type=int, default=DEFAULT_GROUP,
+                   help="q8/q4/q2: tokens per key scale and channels per value scale, a power "
+                        f"of two (default {DEFAULT_GROUP})")
+    g.add_argument("--kv-residual", type=int, default=DEFAULT_RESIDUAL,
+                   help="q8/q4/q2: the most recent tokens kept in float16 until a group of them "
+                        f"is full (default {DEFAULT_RESIDUAL})")
 
 
 def cache_options(args: argparse.Namespace):
@@ -85,7 +93,8 @@ def cache_options(args: argparse.Namespace):
 
     size = args.kv_size if args.kv_size is not None or args.kv_mem else args.kv_size_default
     return CacheOptions(kv_policy=args.kv_policy, kv_size=size, kv_mem=args.kv_mem,
-                        kv_type=args.kv_type, sinks=args.sinks, recent=args.recent)
+                        kv_type=args.kv_type, sinks=args.sinks, recent=args.recent,
+                        kv_group=args.kv_group, kv_residual=args.kv_residual)
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:

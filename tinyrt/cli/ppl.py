@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--json", action="store_true")
     add_runtime_options(p)
-    st = p.add_argument_group("KV cache (all but --kv-type with --stream only)")
+    st = p.add_argument_group("KV cache (all but --kv-type, --kv-group and --kv-residual with --stream only)")
     st.add_argument("--stream", action="store_true", help="token by token through a KV cache")
     add_cache_options(st, policy="sink", size=1024)
     st.add_argument("--max-tokens", type=int, default=None, help="use the text's first tokens")
@@ -41,7 +41,8 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
         raise TinyrtError(f"cannot read {args.text}: {type(e).__name__}") from None
     llm = tinyrt.load(args.model or args.model_pos, device=args.device, threads=args.threads,
-                      dtype=args.dtype, kv_type=args.kv_type)
+                      dtype=args.dtype, kv_type=args.kv_type, kv_group=args.kv_group,
+                      kv_residual=args.kv_residual)
     bar = Progress(TextColumn("ppl"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
     task = None

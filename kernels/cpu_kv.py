@@ -1,0 +1,171 @@
+"""Numba CPU kernels of the quantized KV cache (kernels.kv_quant defines its layout and math):
+writing rows (opening and sealing blocks of the float pool) and dequantizing it for a prompt's
+attention. Decode attention reads the codes in place (cpu.attention_decode_q).
+
+float16 arrays (scales, zeros, the pool) are passed as their uint16 bits: Numba's CPU target
+has no float16 (simd.as_float / simd.to_cache convert).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import simd
+
+
+@njit(cache=True, inline="always")
+def code(x, s, z, top):
+    """kv_quant's rounding: floor((x - z) / s + 1/2) in [0, top], 0 where s is 0."""
+    if s <= 0:
+        return 0
+    c = np.floor((x - z) / s + np.float32(0.5))
+    return int(min(max(c, np.float32(0)), np.float32(top)))
+
+
+@njit(cache=True)
+def _seal(kc, ks, vc, vs, fk, fv, where, owner, n, e, bits):
+    """Quantize the block that pool entry e of row n holds into its codes; free the entry."""
+    B, D, W, Wk = fk.shape[2], fk.shape[3], vc.shape[2], kc.shape[3]
+    Gv = min(B, D)
+    top = (1 << bits) - 1
+    j = owner[n, e]
+    ftop = np.float32(top)
+    for i in range(B):
+        for w in range(W):
+            vc[n, j * B + i, w] = 0
+    for d in range(D):                       # keys: per channel over the block's slots
+        for w in range(Wk):
+            kc[n, j, d, w] = 0
+        mn, mx = np.float32(np.inf), np.float32(-np.inf)
+        for i in range(B):
+            x = simd.as_float(fk[n, e, i, d])
+            mn, mx = min(mn, x), max(mx, x)
+        ks[n, j, 0, d] = simd.to_cache((mx - mn) / ftop, ks)
+        ks[n, j, 1, d] = simd.to_cache(mn, ks)
+        s, z = simd.as_float(ks[n, j, 0, d]), simd.as_float(ks[n, j, 1, d])
+        for i in range(B):
+            c = code(simd.as_float(fk[n, e, i, d]), s, z, top)
+            kc[n, j, d, i % Wk] |= np.uint8(c << (i // Wk * bits))
+    for i in range(B):                       # values: per slot, per group of channels
+        for g in range(D // Gv):
+            mn, mx = np.float32(np.inf), np.float32(-np.inf)
+            for d in range(g * Gv, (g + 1) * Gv):
+                x = simd.as_float(fv[n, e, i, d])
+                mn, mx = min(mn, x), max(mx, x)
+            vs[n, j * B + i, 0, g] = simd.to_cache((mx - mn) / ftop, vs)
+            vs[n, j * B + i, 1, g] = simd.to_cache(mn, vs)
+            s, z = simd.as_float(vs[n, j * B + i, 0, g]), simd.as_float(vs[n, j * B + i, 1, g])
+            for d in range(g * Gv, (g + 1) * Gv):
+                c = code(simd.as_float(fv[n, e, i, d]), s, z, top)
+                vc[n, j * B + i, d % W] |= np.uint8(c << (d // W * bits))
+    where[n, j] = -1
+    owner[n, e] = -1
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def unpack(row, bits, cf):
+    """A row of codes (kernels.kv_quant's planes) as float32 cf [len(row) 8 / bits]. Slices,
+    fixed counts and a uint8 shift and mask: with Numba's int64 ones it does not vectorize."""
+    W = row.shape[0]
+    mask = np.uint8((1 << bits) - 1)
+    for p in range(8 // bits):
+        shift = np.uint8(p * bits)
+        dst = cf[p * W:(p + 1) * W]
+        for w in range(W):
+            dst[w] = np.float32((row[w] >> shift) & mask)
+
+
+@njit(fastmath=True, cache=True)
+def dequantize_rows(kc, ks, vc, vs, n, s0, s1, k_out, v_out):
+    """Slots [s0, s1) of row n, in quantized blocks, dequantized into k_out, v_out [>= s1 - s0, D]
+    (float16 bits or float32)."""
+    D, W = ks.shape[3], vc.shape[2]
+    bits = W * 8 // D
+    B = kc.shape[3] * 8 // bits
+    Gv = min(B, D)
+    cf = np.empty(max(B, D), np.float32)
+    for j in range(s0 // B, (s1 + B - 1) // B):      # keys: a channel's slots at a time
+        a, b = max(s0, j * B), min(s1, j * B + B)
+        for d in range(D):
+            unpack(kc[n, j, d], bits, cf)
+            scale, zero = simd.as_float(ks[n, j, 0, d]), simd.as_float(ks[n, j, 1, d])
+            for s in range(a, b):
+                k_out[s - s0, d] = simd.to_cache(cf[s - j * B] * scale + zero, k_out)
+    for s in range(s0, s1):                          # values: a slot at a time
+        unpack(vc[n, s], bits, cf)
+        for g in range(D // Gv):
+            scale, zero = simd.as_float(vs[n, s, 0, g]), simd.as_float(vs[n, s, 1, g])
+            src, dst = cf[g * Gv:(g + 1) * Gv], v_out[s - s0, g * Gv:(g + 1) * Gv]
+            for d in range(Gv):
+                dst[d] = simd.to_cache(src[d] * scale + zero, v_out)
+
+
+@njit(fastmath=True, cache=True)
+def read_rows(kc, ks, vc, vs, fk, fv, where, n, s0, s1, k_out, v_out):
+    """Slots [s0, s1) of row n (s0 a multiple of the block), from the pool or dequantized, as
+    float32 k_out, v_out [>= s1 - s0, D]."""
+    B, D = fk.shape[2], fk.shape[3]
+    for a in range(s0, s1, B):
+        b = min(s1, a + B)
+        e = where[n, a // B]
+        if e < 0:
+            dequantize_rows(kc, ks, vc, vs, n, a, b, k_out[a - s0:], v_out[a - s0:])
+            continue
+        for r in range(b - a):
+            for d in range(D):
+                k_out[a - s0 + r, d] = simd.as_float(fk[n, e, r, d])
+                v_out[a - s0 + r, d] = simd.as_float(fv[n, e, r, d])
+
+
+@njit(cache=True)
+def _open(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, n, j, bits):
+    """The pool entry holding block j of row n, the block opened if it is quantized: a free
+    entry, or the least recently written one past the pinned blocks, sealed first."""
+    e = where[n, j]
+    if e >= 0:
+        return e
+    P = owner.shape[1]
+    e = -1
+    for i in range(P):
+        if owner[n, i] < 0:
+            e = i
+            break
+    if e < 0:
+        oldest = np.iinfo(np.int64).max
+        for i in range(P):
+            if owner[n, i] >= pin and stamp[n, i] < oldest:
+                e, oldest = i, stamp[n, i]
+        _seal(kc, ks, vc, vs, fk, fv, where, owner, n, e, bits)
+    B = fk.shape[2]
+    dequantize_rows(kc, ks, vc, vs, n, j * B, j * B + B, fk[n, e], fv[n, e])
+    where[n, j] = e
+    owner[n, e] = j
+    return e
+
+
+@njit(cache=True)
+def store_kv(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v):
+    """kv_quant.store_kv: k, v float32 [T, N, D] -> row n's slots slots[n] ([N, T])."""
+    T, N, D = k.shape
+    B = fk.shape[2]
+    bits = vc.shape[2] * 8 // D
+    for n in range(N):
+        for t in range(T):
+            s = slots[n, t]
+            e = _open(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, n, s // B, bits)
+            last = np.int64(0)
+            for i in range(stamp.shape[1]):
+                last = max(last, stamp[n, i])
+            stamp[n, e] = last + 1
+            for d in range(D):
+                fk[n, e, s % B, d] = simd.to_cache(k[t, n, d], fk)
+                fv[n, e, s % B, d] = simd.to_cache(v[t, n, d], fv)
+
+
+@njit(cache=True)
+def dequantize(kc, ks, vc, vs, fk, fv, where, span, k_out, v_out):
+    """kv_quant.dequantize into k_out, v_out float32 [N, >= span, D]. On one thread, on purpose:
+    a prompt's BLAS attention reads it next (see cpu.int8_dequantize)."""
+    for n in range(where.shape[0]):
+        read_rows(kc, ks, vc, vs, fk, fv, where, n, 0, span, k_out[n], v_out[n])

@@ -1,0 +1,193 @@
+"""The quantized KV cache (kernels.kv_quant, KIVI): the math against its definition, the CPU
+kernels against the NumPy reference on fresh random inputs, and every cache policy on a tiny
+model against the float16 cache."""
+
+import numpy as np
+import pytest
+
+import tinyrt
+from helpers import tiny_config, write_tiny_model
+from tinyrt.errors import CacheFullError, TinyrtError
+from tinyrt.kernels import cpu, kv_quant, reference as ref
+from tinyrt.kernels.reference import ReferenceBackend
+from tinyrt.kv_cache import CacheOptions, KVCache, KVLayout
+
+rng = np.random.default_rng(29)
+BITS = (8, 4, 2)
+
+
+def _store(rows, slots, D, bits, block, residual=0, pin=0):
+    return kv_quant.allocate((rows,), slots, D, bits, block,
+                             kv_quant.pool_entries(block, residual, pin), pin, np.zeros)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_codes_round_to_the_nearest_step_of_each_group(bits):
+    x = rng.standard_normal((40, 32)).astype(np.float32) * rng.uniform(0.1, 50, (40, 1))
+    x[3] = 1.5                                        # a constant group
+    c, scale, zero = kv_quant.quantize(x, bits)
+    assert c.max() <= 2 ** bits - 1
+    s, z = scale.astype(np.float32)[:, None], zero.astype(np.float32)[:, None]
+    err = np.abs(c * s + z - x)
+    # half a step, and float16's rounding of the zero and of the scale times the top code
+    slack = np.abs(x).max(axis=1, keepdims=True) * 2 ** -10
+    assert (err <= s / 2 + slack).all()
+    assert (c[3] == 0).all() and np.float32(zero[3]) == 1.5
+    assert (kv_quant.unpack(kv_quant.pack(c, bits), bits) == c).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("block, D", [(4, 16), (16, 64), (64, 64), (32, 128)])
+@pytest.mark.parametrize("order", ["in order", "scattered"])
+def test_cpu_writes_and_reads_as_the_reference(bits, block, D, order):
+    """Rows written in slot order (dense, the sink ring) or anywhere (h2o's evictions), a few
+    at a time, through a small pool: the CPU kernel keeps the same blocks in the pool and the
+    same scales, and its codes differ from the reference's at most by one, in at most a few
+    places (a tie rounded apart); what both read back is within half a step of what was
+    written in order, within a few steps after scattered writes."""
+    N, C = 3, 8 * block
+    want, got = _store(N, C, D, bits, block, 2 * block), _store(N, C, D, bits, block, 2 * block)
+    written = np.zeros((N, C, 2, D), np.float32)
+    at = 0
+    for step in range(4 * C // 3):
+        T = int(rng.integers(1, 4))
+        if order == "in order":        # around the slots twice over, as a ring
+            slots = np.tile((np.arange(T) + at) % C, (N, 1))
+            at += T
+        else:
+            slots = np.stack([rng.choice(C, T, replace=False) for _ in range(N)])
+        k, v = (rng.standard_normal((T, N, D)).astype(np.float32) * 4 for _ in range(2))
+        ReferenceBackend.store_kv(want, None, slots, k, v)
+        cpu.CpuBackend(2).store_kv(got, None, slots, k, v)
+        for n in range(N):
+            written[n, slots[n], 0], written[n, slots[n], 1] = k[:, n], v[:, n]
+    for name in ("where", "owner", "stamp", "ks", "vs", "fk", "fv"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert np.array_equal(a.view(np.uint16) if a.dtype == np.float16 else a,
+                              b.view(np.uint16) if b.dtype == np.float16 else b), name
+    for name in ("kc", "vc"):
+        a = kv_quant.unpack(getattr(got, name), bits)
+        b = kv_quant.unpack(getattr(want, name), bits)
+        assert np.abs(a - b).max() <= 1 and (a != b).mean() < 1e-3, name
+    k, v = cpu.CpuBackend(1).read_kv(got, None, C)
+    rk, rv = kv_quant.dequantize(want, C)
+    for a, b, x in ((k, rk, written[:, :, 0]), (v, rv, written[:, :, 1])):
+        step = (x.max() - x.min()) / (2 ** bits - 1)
+        assert np.abs(a - b).max() <= step * 1.01
+        # a scattered write re-quantizes its block's other rows: within two steps of the truth
+        assert np.abs(b - x).max() <= step * (0.51 if order == "in order" else 4)
+
+
+def test_the_residual_and_the_pinned_blocks_stay_float():
+    """Written in order, the last R tokens read back as the float16 of what was written, and so
+    do the pinned first blocks (the sinks), however many blocks were sealed since."""
+    block, R, D = 4, 8, 16
+    store = _store(2, 64, D, 2, block, R, pin=1)
+    k, v = (rng.standard_normal((50, 2, D)).astype(np.float32) for _ in range(2))
+    for t in range(50):
+        cpu.CpuBackend(1).store_kv(store, None, np.full((2, 1), t), k[t:t + 1], v[t:t + 1])
+    rk, rv = kv_quant.dequantize(store, 50)
+    for got, x in ((rk, k), (rv, v)):
+        x16 = x.transpose(1, 0, 2).astype(np.float16).astype(np.float32)
+        assert np.array_equal(got[:, -R:], x16[:, -R:])
+        assert np.array_equal(got[:, :block], x16[:, :block])
+        assert not np.array_equal(got[:, block:-R - block], x16[:, block:-R - block])
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("S, window, ratio", [(1, None, 1), (300, None, 3), (700, 200, 2),
+                                              (520, None, 4)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_attention_reads_the_codes_as_the_reference(bits, S, window, ratio, T):
+    """CPU decode attention over a quantized cache (pool blocks and sealed blocks, hidden slots,
+    H2O scores) against the reference over the dequantized cache."""
+    G, D, block = 2, 64, 32
+    store = _store(G, 1024, D, bits, block, 64)
+    slots = np.tile(np.arange(S), (G, 1))
+    k, v = (rng.standard_normal((S, G, D)).astype(np.float32) for _ in range(2))
+    ReferenceBackend.store_kv(store, None, slots, k, v)
+    k_pos = np.tile(np.arange(S), (G, 1))
+    k_pos[:, 1::7] = -1
+    q = rng.standard_normal((T, G * ratio, D)).astype(np.float32)
+    q_pos = np.maximum(np.arange(S - T, S), 0)
+    want_score, got_score = np.zeros((G, 1024), np.float32), np.zeros((G, 1024), np.float32)
+    want = ref.attention(q, store, None, q_pos, k_pos, 0.125, window, want_score)
+    got = cpu.CpuBackend(2).attention(q, store, None, q_pos, k_pos, 0.125, window, got_score)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(got_score - want_score).max() <= 1e-5 * T
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = tiny_config(num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
+                      max_position_embeddings=1024)
+    return write_tiny_model(tmp_path_factory.mktemp("kvq") / "m", cfg, seed=5)
+
+
+def _logits(llm, tokens):
+    return np.stack([llm.model.forward([t], llm.cache)[0] for t in tokens])
+
+
+@pytest.mark.parametrize("policy, size", [("dense", 400), ("sink", 48), ("h2o", 48)])
+@pytest.mark.parametrize("kv_type, tol", [("q8", 0.01), ("q4", 0.1), ("q2", 0.5)])
+def test_every_policy_runs_on_codes_close_to_float16(tiny, policy, size, kv_type, tol):
+    """350 tokens, one at a time (sink and h2o: the window wraps seven times over): the logits
+    of a quantized cache (groups of 4, a residual of 8) against those of a float16 cache of the
+    same policy, relative error per step within `tol`; the CPU kernels against the reference
+    backend within 1e-3 (their float sums differ in order, and a code on a rounding tie may
+    go either way), but for h2o; inside the residual, the float16 cache's logits."""
+    opts = dict(kv_policy=policy, kv_size=size, kv_group=4, kv_residual=8)
+    f16 = tinyrt.LLM(tiny, device="cpu", **opts)
+    q = tinyrt.LLM(tiny, device="cpu", kv_type=kv_type, **opts)
+    qr = tinyrt.LLM(tiny, device="reference", kv_type=kv_type, **opts)
+    tokens = rng.integers(0, 320, 350)
+    a, b, c = _logits(f16, tokens), _logits(q, tokens), _logits(qr, tokens)
+    scale = np.abs(a).max(axis=1)
+    assert (np.abs(b - a).max(axis=1) <= tol * scale).all()
+    if policy != "h2o":        # (where a score a rounding apart may evict another token)
+        assert np.abs(b - c).max() <= 1e-3 * scale.max()
+    assert np.abs(b[:8] - a[:8]).max() <= 1e-5 * scale.max()       # all in the float residual
+    assert np.abs(b - a).max() > 0                                   # and codes after it
+
+
+def test_drafts_roll_back_inside_the_residual(tiny):
+    """Speculative decoding over a q4 cache: greedy output token for token that of the same
+    cache without a draft (drafted slots are rolled back inside the float residual)."""
+    plain = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_group=4, kv_residual=16)
+    drafted = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_group=4, kv_residual=16,
+                         draft="lookup", draft_tokens=4)
+    prompt = "abc abc abc abd abc abc"
+    want = plain.generate(prompt, raw=True, max_tokens=120, temperature=0, ignore_eos=True)
+    got = drafted.generate(prompt, raw=True, max_tokens=120, temperature=0, ignore_eos=True)
+    assert got == want
+
+
+def test_options_and_sizes(tiny):
+    llm = tinyrt.LLM(tiny, device="cpu")
+    cfg = llm.config
+    f16, q4 = CacheOptions(), CacheOptions(kv_type="q4")
+    assert q4.token_bytes(cfg) < 0.35 * f16.token_bytes(cfg)
+    assert "q4" in q4.describe(cfg) and "residual" in q4.describe(cfg)
+    budget = CacheOptions(kv_type="q4", kv_mem="1MB")
+    n = budget.size_for(cfg)
+    assert n * budget.token_bytes(cfg) + budget.fixed_bytes(cfg) <= 10 ** 6
+    assert (n + 1) * budget.token_bytes(cfg) + budget.fixed_bytes(cfg) > 10 ** 6
+    with pytest.raises(CacheFullError, match="residual"):
+        CacheOptions(kv_type="q4", kv_mem=1000).size_for(cfg)
+    for bad in (3, 0, 512, True, "8"):
+        with pytest.raises(TinyrtError, match="--kv-group"):
+            CacheOptions(kv_type="q4", kv_group=bad)
+    with pytest.raises(TinyrtError, match="--kv-residual"):
+        CacheOptions(kv_residual=-1)
+    with pytest.raises(TinyrtError, match="less than a byte"):
+        tinyrt.LLM(tiny, device="cpu", kv_type="q2", kv_group=2)
+    with pytest.raises(TinyrtError, match="head dim of 24"):
+        CacheOptions(kv_type="q4", kv_group=16).check(KVLayout(2, 2, 24, None))
+    class Float16Only(ReferenceBackend):
+        name, quantized_kv = "cuda", False
+
+    with pytest.raises(TinyrtError, match="cuda kernels read f16"):
+        KVCache(KVLayout.of(llm.model), 100, Float16Only(), CacheOptions(kv_type="q8"))
+    cache = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_size=100).cache
+    assert cache.bytes_per_token == round(2 * 2 * kv_quant.token_bytes(4, 64, 32))
+    assert cache.k.where.shape[-1] * 64 >= 100
