@@ -14,7 +14,8 @@ fed one token at a time, each next-token NLL recorded, the policy applied as the
         back) against sink (sinks re-rotated every step) and h2o (scores kept, one eviction
         per head and layer every step), same cache size, taking turns token by token, medians
 
-Needs matplotlib for --plot (not a CI dependency).
+--kv-type q8|q4|q2 runs every cache quantized (kernels/kv_quant.py). Needs matplotlib for --plot
+(not a CI dependency).
 """
 
 import argparse
@@ -153,11 +154,12 @@ def main():
     p.add_argument("--budgets", type=int, nargs="+", default=None,
                    help="budget: these cache sizes (default 64 to 1024 and 10, 20, 40 %% of the text)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-type", default="f16", help="the caches' element type (f16, q8, q4, q2)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     import tinyrt
 
-    llm = tinyrt.load(args.model, device="cpu", threads=args.threads)
+    llm = tinyrt.load(args.model, device="cpu", threads=args.threads, kv_type=args.kv_type)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
     defaults = {"quality": 8192, "long": 32768, "budget": 2048}
     args.tokens = args.tokens or defaults.get(args.what)

@@ -5,7 +5,8 @@
         head dims 64 and 128, at the default group and at KIVI's 32
     python benchmarks/kv_quant.py MODEL quality --text FILE [--tokens 8192] [--configs ...]
         streaming perplexity (the text fed token by token) for f16, q8, q4, q2 under dense,
-        sink 4+1020 and h2o at 20 % of 2048, at the default group and residual and at KIVI's
+        sink 4+1020 (over --tokens) and h2o at 20 % of 2048 (over 2048 tokens), at the
+        default group and residual and at KIVI's
         G=32, R=128 (--types, --policies, --layouts G=.. KIVI: some of them)
     python benchmarks/kv_quant.py MODEL speed [--context 4096] [--rounds 64]
         decode ms per token with the context full, f16 against q8, q4 and q2 caches taking turns
@@ -35,17 +36,18 @@ def options(**kw):
 
 def bytes_table(llm, args):
     from tinyrt.kernels import kv_quant
-    from tinyrt.kv_cache import DEFAULT_GROUP
+    from tinyrt.kv_cache import DEFAULT_GROUPS
 
     cfg = llm.config
     out = {}
     for D in sorted({cfg.head_dim, 64, 128}):
-        for group in (DEFAULT_GROUP, 32):
+        for group in ("default", 32, 64):
             row = {}
             for t in TYPES[1:]:
-                row[t] = kv_quant.token_bytes(kv_quant.BITS[t], group, D) / (2 * D * 2)
+                g = DEFAULT_GROUPS[t] if group == "default" else group
+                row[t] = kv_quant.token_bytes(kv_quant.BITS[t], g, D) / (2 * D * 2)
             out[f"D={D} G={group}"] = row
-            print(f"head dim {D:4d}, group {group:3d}: " + "  ".join(
+            print(f"head dim {D:4d}, group {group}: " + "  ".join(
                 f"{t} {r:.3f}x" for t, r in row.items()), flush=True)
     for t in TYPES:
         o = options(kv_type=t)
@@ -56,27 +58,29 @@ def bytes_table(llm, args):
 
 def quality(llm_for, text, args):
     from tinyrt.perplexity import stream_perplexity
-    from tinyrt.kv_cache import DEFAULT_GROUP, DEFAULT_RESIDUAL
+    from tinyrt.kv_cache import DEFAULT_GROUPS, DEFAULT_RESIDUAL
 
-    policies = {"dense": ("dense", args.tokens), "sink 4+1020": ("sink", 1024),
-                "h2o 20% of 2048": ("h2o", 410)}
-    layouts = {f"G={DEFAULT_GROUP} R={DEFAULT_RESIDUAL}": (DEFAULT_GROUP, DEFAULT_RESIDUAL),
+    policies = {"dense": ("dense", args.tokens, args.tokens), "sink 4+1020": ("sink", 1024, args.tokens),
+                "h2o 20% of 2048": ("h2o", 410, 2048)}
+    layouts = {f"default R={DEFAULT_RESIDUAL}": (None, DEFAULT_RESIDUAL),
                "KIVI G=32 R=128": (32, 128)}
     out = {}
-    for pname, (policy, size) in policies.items():
+    for pname, (policy, size, tokens) in policies.items():
         if args.policies and policy not in args.policies:
             continue
-        base = None
+        base, seen = None, set()
         for t in TYPES:
             for lname, (group, residual) in layouts.items():
-                if t == "f16" and lname != next(iter(layouts)) or t not in args.types or (
+                same = (t,) if t == "f16" else (t, group or DEFAULT_GROUPS[t], residual)
+                if same in seen or t not in args.types or (
                         t != "f16" and args.layouts and lname.split()[0] not in args.layouts):
                     continue
+                seen.add(same)
                 llm = llm_for(t, group, residual)
                 r = stream_perplexity(llm, text, options(kv_policy=policy, kv_size=size),
-                                      max_tokens=args.tokens)
+                                      max_tokens=tokens)
                 base = r.ppl if t == "f16" else base
-                key = f"{pname} {t}" + ("" if t == "f16" else f" {lname}")
+                key = f"{pname} {t}" + ("" if t == "f16" else f" G={same[1]} R={residual}")
                 out[key] = r.ppl
                 vs = f"{r.ppl / base - 1:+7.2%}" if base else ""
                 print(f"{key:36s} ppl {r.ppl:9.4f}  {vs}  ({r.tokens} tokens, {r.seconds:.0f} s)",
@@ -134,8 +138,9 @@ def long(llm, text, args):
 
     r = stream_perplexity(llm, text, options(kv_policy="sink", kv_size=1024),
                           max_tokens=args.tokens, progress=progress)
+    seen["end"] = rss_mb()
     print(f"sink 4+1020 {args.kv_type} over {r.tokens} tokens: ppl {r.ppl:.4f}, "
-          f"{r.seconds:.0f} s")
+          f"{r.seconds:.0f} s; RSS at the end {seen['end']:.0f} MB")
     return {"rss_mb": seen, "ppl": r.ppl}
 
 
@@ -150,7 +155,7 @@ def main():
     p.add_argument("--policies", nargs="+", default=None, help="quality: dense, sink, h2o")
     p.add_argument("--types", nargs="+", default=list(TYPES), help="quality: the cache types")
     p.add_argument("--layouts", nargs="+", default=None,
-                   help="quality: the group and residual, default (G=..) and/or KIVI")
+                   help="quality: the group and residual, default and/or KIVI")
     p.add_argument("--kv-type", default="q4", help="long: the cache's type")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
@@ -160,7 +165,7 @@ def main():
     from tinyrt.sample_text import default_text
 
     def llm_for(kv_type, group=None, residual=None):
-        extra = {} if group is None else {"kv_group": group, "kv_residual": residual}
+        extra = {} if residual is None else {"kv_group": group, "kv_residual": residual}
         return tinyrt.load(args.model, device="cpu", threads=args.threads, kv_type=kv_type,
                            **extra)
 

@@ -513,21 +513,24 @@ def _attention_slots(q, kg, vg, pg, o, q_pos, scale, window, s0, s1, g, R, out, 
 def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, window, s0, s1, g,
                       out, top, total, probs):
     """_attention_slots over a quantized cache (kernels.kv_quant, float16 arrays as uint16 bits),
-    read in place: a block in the float pool as float16 rows, a quantized one as its codes,
-    each row of codes taken apart once for the R query heads. Keys:
-    score = sum_d (q_d scale_d) code_d + sum_d q_d zero_d, the products and the second sum
-    taken once per block and head; values: out += (e scale) code per slot and channel group,
-    the e zero parts summed per group and added at the end. s0 is a multiple of the block."""
+    read in place: a block in the float pool as float16 rows, a quantized one as its codes
+    (cpu_kv.add_codes: each row of codes taken apart once for the R query heads, their sums in
+    registers). Keys: score = sum_d (q_d scale_d) code[d, s] + sum_d q_d zero_d, for the B
+    slots of a block at once (its codes lie by channel); values: out += (e scale) code per
+    slot and channel group, the e zero parts summed per group and added at the end. s0 is a
+    multiple of the block."""
     Q, D = q.shape
     G = where.shape[0]
     R = Q // G
     B = fk.shape[2]
     bits = vc.shape[2] * 8 // D
-    Gv = min(B, D)
+    Gv = D // vs.shape[-1]            # channels per value group
     Dv = D - D % simd.LANES
     scores = np.empty((R, s1 - s0), np.float32)
     kb = np.empty((R, B), np.float32)
-    cf = np.empty(max(B, D), np.float32)
+    wk = np.empty((R, D, 1), np.float32)
+    sz = np.empty((2, D), np.float32)
+    wv = np.empty((R, B, D // Gv), np.float32)
     zs = np.empty((R, D // Gv), np.float32)
     keep = probs.shape[1] > 0
     pg = k_pos[g]
@@ -535,19 +538,15 @@ def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, win
     for j in range(s0 // B, (s1 + B - 1) // B):
         a0, a1, e = j * B, min(s1, j * B + B), where[g, j]
         if e < 0:          # the block's scores, B slots at a time along each key channel
+            for d in range(D):
+                sz[0, d], sz[1, d] = simd.as_float(ks[g, j, 0, d]), simd.as_float(ks[g, j, 1, d])
             for r in range(R):
                 b = np.float32(0)
                 for d in range(D):
-                    b += q[g * R + r, d] * simd.as_float(ks[g, j, 1, d])
+                    wk[r, d, 0] = q[g * R + r, d] * sz[0, d]
+                    b += q[g * R + r, d] * sz[1, d]
                 kb[r, :] = b
-            kcj = kc[g, j]
-            for d in range(D):
-                cpu_kv.unpack(kcj[d], bits, cf)
-                sd = simd.as_float(ks[g, j, 0, d])
-                for r in range(R):
-                    qd = q[g * R + r, d] * sd
-                    for i in range(B):
-                        kb[r, i] += qd * cf[i]
+            cpu_kv.add_codes(wk, kc[g, j], bits, B, kb)
         for s in range(a0, a1):
             p = pg[s]
             if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
@@ -604,17 +603,13 @@ def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, win
                         out[h, d] += sr[s - s0] * simd.as_float(fvg[s - a0, d])
             continue
         for s in range(a0, a1):
-            cpu_kv.unpack(vc[g, s], bits, cf)
             for gi in range(D // Gv):
                 sc, ze = simd.as_float(vs[g, s, 0, gi]), simd.as_float(vs[g, s, 1, gi])
-                src = cf[gi * Gv:(gi + 1) * Gv]
                 for r in range(R):
                     x = scores[r, s - s0]
+                    wv[r, s - a0, gi] = x * sc
                     zs[r, gi] += x * ze
-                    a = x * sc
-                    dst = out[g * R + r, gi * Gv:(gi + 1) * Gv]
-                    for d in range(Gv):
-                        dst[d] += a * src[d]
+        cpu_kv.add_codes(wv, vc[g, a0:a1], bits, Gv, out[g * R:(g + 1) * R])
     for r in range(R):
         for d in range(D):
             out[g * R + r, d] += zs[r, d // Gv]

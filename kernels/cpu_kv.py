@@ -27,7 +27,7 @@ def code(x, s, z, top):
 def _seal(kc, ks, vc, vs, fk, fv, where, owner, n, e, bits):
     """Quantize the block that pool entry e of row n holds into its codes; free the entry."""
     B, D, W, Wk = fk.shape[2], fk.shape[3], vc.shape[2], kc.shape[3]
-    Gv = min(B, D)
+    Gv = D // vs.shape[-1]            # channels per value group
     top = (1 << bits) - 1
     j = owner[n, e]
     ftop = np.float32(top)
@@ -77,13 +77,32 @@ def unpack(row, bits, cf):
 
 
 @njit(fastmath=True, cache=True)
+def add_codes(w, codes, bits, group, acc):
+    """acc[r, l] += sum over rows i of w[r, i, l // group] * value l of codes[i] (kv_quant's
+    planes; w float32 [R, >= n, L / group], acc float32 [R, L], codes uint8 [n, L bits / 8]):
+    simd.codes_axpy where a row's bytes and the groups split into whole vectors, else loops."""
+    if codes.shape[1] % (simd.LANES // 2) == 0 and group % simd.LANES == 0 and \
+            acc.shape[1] % simd.LANES == 0:
+        simd.codes_axpy(w, codes, bits, group, acc)
+        return
+    R, L = acc.shape
+    cf = np.empty(L, np.float32)
+    for i in range(codes.shape[0]):
+        unpack(codes[i], bits, cf)
+        for r in range(R):
+            for l in range(L):
+                acc[r, l] += w[r, i, l // group] * cf[l]
+
+
+@njit(cache=True)
 def dequantize_rows(kc, ks, vc, vs, n, s0, s1, k_out, v_out):
     """Slots [s0, s1) of row n, in quantized blocks, dequantized into k_out, v_out [>= s1 - s0, D]
-    (float16 bits or float32)."""
+    (float16 bits or float32). Without fastmath: code * scale + zero rounded twice, as the
+    reference does (a fused multiply-add would reopen a block a rounding apart)."""
     D, W = ks.shape[3], vc.shape[2]
     bits = W * 8 // D
     B = kc.shape[3] * 8 // bits
-    Gv = min(B, D)
+    Gv = D // vs.shape[-1]            # channels per value group
     cf = np.empty(max(B, D), np.float32)
     for j in range(s0 // B, (s1 + B - 1) // B):      # keys: a channel's slots at a time
         a, b = max(s0, j * B), min(s1, j * B + B)

@@ -70,6 +70,11 @@ class QuantKV(NamedTuple):
         return self.fk.shape[-2]
 
     @property
+    def value_channels(self) -> int:
+        """Channels per value group."""
+        return self.head_dim // self.vs.shape[-1]
+
+    @property
     def bits(self) -> int:
         return self.vc.shape[-1] * 8 // self.head_dim
 
@@ -182,7 +187,7 @@ def _key_block(store: QuantKV, row: int, j: int) -> np.ndarray:
 def _values(store: QuantKV, row: int, s0: int, s1: int) -> np.ndarray:
     """Slots [s0, s1) of one row's values, dequantized: [n, D] float32."""
     D = store.head_dim
-    Gv = value_group(store.block, D)
+    Gv = store.value_channels
     c = unpack(store.vc[row, s0:s1], store.bits).reshape(s1 - s0, D // Gv, Gv)
     sz = store.vs[row, s0:s1].astype(np.float32)                 # [n, 2, D/Gv]
     return (c * sz[:, 0, :, None] + sz[:, 1, :, None]).reshape(s1 - s0, D)
@@ -196,7 +201,7 @@ def seal(store: QuantKV, row: int, entry: int) -> None:
     store.kc[row, j] = pack(c, bits)
     store.ks[row, j, 0], store.ks[row, j, 1] = scale, zero
     v = store.fv[row, entry].astype(np.float32)
-    Gv = value_group(B, store.head_dim)
+    Gv = store.value_channels
     c, scale, zero = quantize(v.reshape(B, -1, Gv), bits)        # per slot and channel group
     store.vc[row, j * B:(j + 1) * B] = pack(c.reshape(B, -1), bits)
     store.vs[row, j * B:(j + 1) * B, 0], store.vs[row, j * B:(j + 1) * B, 1] = scale, zero

@@ -491,3 +491,92 @@ def fmax(typingctx, a, b):
         return builder.call(fn, args, fastmath=("fast",))
 
     return sig, codegen
+
+
+# -- the quantized KV cache's codes (kernels.kv_quant) --------------------------------------------
+
+def _codes_axpy(heads: int):
+    """The intrinsic codes_axpy{heads}(w, r0, codes, bits, group, acc): for heads r in
+    [r0, r0 + heads), acc[r, l] += sum over rows i of w[r, i, l // group] * code(i, l), where
+    code(i, l) is value l of row i of `codes` (uint8 [n, W], C-contiguous, in kv_quant's planes
+    of `bits`-bit values: byte l % W at bit (l // W) bits), w float32 [R, n, groups] and acc
+    float32 [R, L] (L = W 8 / bits), both C-contiguous. W must be a multiple of LANES / 2,
+    `group` and L of LANES. For each LANES values of the rows, the heads' sums stay in registers while the rows
+    are read, and each row's codes are taken apart once for all the heads: decode attention
+    over a quantized cache, keys (rows: channels, values: a block's slots) and values (rows:
+    slots, values: channels) alike."""
+    @intrinsic
+    def codes_axpy(typingctx, w, r0, codes, bits, group, acc):
+        sig = types.void(w, r0, codes, bits, group, acc)
+
+        def codegen(context, builder, signature, args):
+            w_ty, r0_ty, c_ty, bits_ty, g_ty, a_ty = signature.args
+            intp = context.get_value_type(types.intp)
+            i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+            vec, ivec = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
+            r0, bits, group = (context.cast(builder, args[j], signature.args[j], types.intp)
+                               for j in (1, 3, 4))
+            w_arr = context.make_array(w_ty)(context, builder, args[0])
+            c_arr = context.make_array(c_ty)(context, builder, args[2])
+            a_arr = context.make_array(a_ty)(context, builder, args[5])
+            n, W = cgutils.unpack_tuple(builder, c_arr.shape, 2)
+            L = cgutils.unpack_tuple(builder, a_arr.shape, 2)[1]
+            mask = _splat(builder, builder.trunc(builder.sub(
+                builder.shl(ir.Constant(intp, 1), bits), ir.Constant(intp, 1)), i32))
+            zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
+            rows = [builder.add(r0, ir.Constant(intp, t)) for t in range(heads)]
+            half = ir.VectorType(i8, LANES // 2)
+            both = ir.Constant(ir.VectorType(i32, LANES), list(range(LANES)))
+            with cgutils.for_range_slice(builder, zero, L, step) as (l0, _):
+                # the two halves of the LANES values: bytes of one plane each (W % 8 == 0)
+                l1 = builder.add(l0, ir.Constant(intp, LANES // 2))
+                bytes_ = [builder.urem(l, W) for l in (l0, l1)]
+                shifts = [_splat(builder, builder.trunc(builder.mul(builder.udiv(l, W), bits), i32))
+                          for l in (l0, l1)]
+                shift = builder.shuffle_vector(shifts[0], shifts[1], ir.Constant(
+                    ir.VectorType(i32, LANES), list(range(LANES // 2))
+                    + list(range(LANES, LANES + LANES // 2))))
+                g = builder.udiv(l0, group)
+                acc_ptrs = [builder.bitcast(cgutils.get_item_pointer(
+                    context, builder, a_ty, a_arr, [r, l0]), vec.as_pointer()) for r in rows]
+                sums = [cgutils.alloca_once_value(builder, builder.load(p, align=4))
+                        for p in acc_ptrs]
+                with cgutils.for_range(builder, n) as loop:
+                    i = loop.index
+                    x0, x1 = (builder.load(builder.bitcast(cgutils.get_item_pointer(
+                        context, builder, c_ty, c_arr, [i, b]), half.as_pointer()), align=1)
+                        for b in bytes_)
+                    x = builder.shuffle_vector(x0, x1, both)
+                    x = builder.and_(builder.lshr(builder.zext(x, ivec), shift), mask)
+                    x = builder.uitofp(x, vec)
+                    for r, s in zip(rows, sums):
+                        wv = builder.load(cgutils.get_item_pointer(context, builder, w_ty, w_arr,
+                                                                   [r, i, g]))
+                        builder.store(builder.fadd(builder.load(s), builder.fmul(
+                            _splat(builder, wv), x, flags=["fast"]), flags=["fast"]), s)
+                for p, s in zip(acc_ptrs, sums):
+                    builder.store(builder.load(s), p, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return codes_axpy
+
+
+codes_axpy1, codes_axpy2, codes_axpy3, codes_axpy4 = (_codes_axpy(h) for h in (1, 2, 3, 4))
+
+
+@njit(cache=True)
+def codes_axpy(w, codes, bits, group, acc):
+    """_codes_axpy's sums for all the heads of acc [R, L], four at a time."""
+    R = acc.shape[0]
+    r = 0
+    while R - r >= 4:
+        codes_axpy4(w, r, codes, bits, group, acc)
+        r += 4
+    if R - r == 3:
+        codes_axpy3(w, r, codes, bits, group, acc)
+    elif R - r == 2:
+        codes_axpy2(w, r, codes, bits, group, acc)
+    elif R - r == 1:
+        codes_axpy1(w, r, codes, bits, group, acc)

@@ -8,11 +8,10 @@ import pytest
 import tinyrt
 from helpers import tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, TinyrtError
-from tinyrt.kernels import cpu, kv_quant, reference as ref
+from tinyrt.kernels import cpu, cpu_kv, kv_quant, reference as ref
 from tinyrt.kernels.reference import ReferenceBackend
 from tinyrt.kv_cache import CacheOptions, KVCache, KVLayout
 
-rng = np.random.default_rng(29)
 BITS = (8, 4, 2)
 
 
@@ -23,6 +22,7 @@ def _store(rows, slots, D, bits, block, residual=0, pin=0):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_codes_round_to_the_nearest_step_of_each_group(bits):
+    rng = np.random.default_rng(1)
     x = rng.standard_normal((40, 32)).astype(np.float32) * rng.uniform(0.1, 50, (40, 1))
     x[3] = 1.5                                        # a constant group
     c, scale, zero = kv_quant.quantize(x, bits)
@@ -37,6 +37,22 @@ def test_codes_round_to_the_nearest_step_of_each_group(bits):
 
 
 @pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("R", [1, 3, 4, 7])
+@pytest.mark.parametrize("L, n, group", [(64, 64, 64), (64, 17, 32), (128, 5, 16), (32, 9, 16),
+                                         (8, 3, 4)])
+def test_weighted_sums_of_code_rows(bits, R, L, n, group):
+    """cpu_kv.add_codes (the vector intrinsic, or loops where rows are not whole vectors): acc
+    plus the weighted sum of the code rows, against NumPy."""
+    rng = np.random.default_rng(8)
+    codes = rng.integers(0, 2 ** bits, (n, L)).astype(np.uint8)
+    w = rng.standard_normal((R, n, L // group)).astype(np.float32)
+    acc = rng.standard_normal((R, L)).astype(np.float32)
+    want = acc + np.einsum("rig,igc->rgc", w, codes.reshape(n, L // group, group)).reshape(R, L)
+    cpu_kv.add_codes(w, kv_quant.pack(codes, bits), bits, group, acc)
+    assert np.abs(acc - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("block, D", [(4, 16), (16, 64), (64, 64), (32, 128)])
 @pytest.mark.parametrize("order", ["in order", "scattered"])
 def test_cpu_writes_and_reads_as_the_reference(bits, block, D, order):
@@ -45,6 +61,7 @@ def test_cpu_writes_and_reads_as_the_reference(bits, block, D, order):
     same scales, and its codes differ from the reference's at most by one, in at most a few
     places (a tie rounded apart); what both read back is within half a step of what was
     written in order, within a few steps after scattered writes."""
+    rng = np.random.default_rng(2)
     N, C = 3, 8 * block
     want, got = _store(N, C, D, bits, block, 2 * block), _store(N, C, D, bits, block, 2 * block)
     written = np.zeros((N, C, 2, D), np.float32)
@@ -81,6 +98,7 @@ def test_cpu_writes_and_reads_as_the_reference(bits, block, D, order):
 def test_the_residual_and_the_pinned_blocks_stay_float():
     """Written in order, the last R tokens read back as the float16 of what was written, and so
     do the pinned first blocks (the sinks), however many blocks were sealed since."""
+    rng = np.random.default_rng(3)
     block, R, D = 4, 8, 16
     store = _store(2, 64, D, 2, block, R, pin=1)
     k, v = (rng.standard_normal((50, 2, D)).astype(np.float32) for _ in range(2))
@@ -101,6 +119,7 @@ def test_the_residual_and_the_pinned_blocks_stay_float():
 def test_decode_attention_reads_the_codes_as_the_reference(bits, S, window, ratio, T):
     """CPU decode attention over a quantized cache (pool blocks and sealed blocks, hidden slots,
     H2O scores) against the reference over the dequantized cache."""
+    rng = np.random.default_rng(4)
     G, D, block = 2, 64, 32
     store = _store(G, 1024, D, bits, block, 64)
     slots = np.tile(np.arange(S), (G, 1))
@@ -131,21 +150,24 @@ def _logits(llm, tokens):
 @pytest.mark.parametrize("policy, size", [("dense", 400), ("sink", 48), ("h2o", 48)])
 @pytest.mark.parametrize("kv_type, tol", [("q8", 0.01), ("q4", 0.1), ("q2", 0.5)])
 def test_every_policy_runs_on_codes_close_to_float16(tiny, policy, size, kv_type, tol):
-    """350 tokens, one at a time (sink and h2o: the window wraps seven times over): the logits
+    """200 tokens, one at a time (sink and h2o: the window wraps four times over): the logits
     of a quantized cache (groups of 4, a residual of 8) against those of a float16 cache of the
-    same policy, relative error per step within `tol`; the CPU kernels against the reference
-    backend within 1e-3 (their float sums differ in order, and a code on a rounding tie may
-    go either way), but for h2o; inside the residual, the float16 cache's logits."""
+    same policy, relative error per step within `tol`, on the CPU and reference backends; the
+    two within 1e-3 over the first 100 steps, but for h2o (their float sums differ in order, so
+    a value on a rounding tie of its code may go either way, and later tokens' K/V diverge from
+    there); inside the residual, the float16 cache's logits."""
+    rng = np.random.default_rng(5)
     opts = dict(kv_policy=policy, kv_size=size, kv_group=4, kv_residual=8)
     f16 = tinyrt.LLM(tiny, device="cpu", **opts)
     q = tinyrt.LLM(tiny, device="cpu", kv_type=kv_type, **opts)
     qr = tinyrt.LLM(tiny, device="reference", kv_type=kv_type, **opts)
-    tokens = rng.integers(0, 320, 350)
+    tokens = rng.integers(0, 320, 200)
     a, b, c = _logits(f16, tokens), _logits(q, tokens), _logits(qr, tokens)
     scale = np.abs(a).max(axis=1)
-    assert (np.abs(b - a).max(axis=1) <= tol * scale).all()
+    for got in (b, c):
+        assert (np.abs(got - a).max(axis=1) <= tol * scale).all()
     if policy != "h2o":        # (where a score a rounding apart may evict another token)
-        assert np.abs(b - c).max() <= 1e-3 * scale.max()
+        assert np.abs(b[:100] - c[:100]).max() <= 1e-3 * scale.max()
     assert np.abs(b[:8] - a[:8]).max() <= 1e-5 * scale.max()       # all in the float residual
     assert np.abs(b - a).max() > 0                                   # and codes after it
 
@@ -153,6 +175,7 @@ def test_every_policy_runs_on_codes_close_to_float16(tiny, policy, size, kv_type
 def test_drafts_roll_back_inside_the_residual(tiny):
     """Speculative decoding over a q4 cache: greedy output token for token that of the same
     cache without a draft (drafted slots are rolled back inside the float residual)."""
+    rng = np.random.default_rng(6)
     plain = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_group=4, kv_residual=16)
     drafted = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_group=4, kv_residual=16,
                          draft="lookup", draft_tokens=4)
@@ -163,6 +186,7 @@ def test_drafts_roll_back_inside_the_residual(tiny):
 
 
 def test_options_and_sizes(tiny):
+    rng = np.random.default_rng(7)
     llm = tinyrt.LLM(tiny, device="cpu")
     cfg = llm.config
     f16, q4 = CacheOptions(), CacheOptions(kv_type="q4")

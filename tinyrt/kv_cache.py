@@ -27,7 +27,11 @@ travel as one `CacheOptions`, from the command line or the API to `make_cache`.
 
 Elements are float16 by default, as llama.cpp keeps them: half the memory and half the bytes
 decode attention reads per token, for a relative rounding error of at most 2**-11 per element.
-float32 ("f32") keeps the float path bit-comparable with float32 references.
+float32 ("f32") keeps the float path bit-comparable with float32 references. q8, q4 and q2 hold
+KIVI's codes (kernels.kv_quant: its layout, and how the most recent tokens and the sinks stay
+float16): K and V are then one kv_quant.QuantKV (`self.k`; `self.v` is None), which the
+backend's store_kv, attention and read_kv take in place of the buffers; slot tables and
+policies are the same.
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ from tinyrt.memory import ensure_fits, parse_size
 
 KV_TYPES = {"f16": np.float16, "f32": np.float32, **dict.fromkeys(kv_quant.BITS)}
 DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
-# KIVI's group (tokens per key scale, channels per value scale) and float residual (README: KV
-# cache quantization has the measurements)
-DEFAULT_GROUP = 64
-DEFAULT_RESIDUAL = 64
+# KIVI's group (tokens per key scale, channels per value scale) and float residual, by type
+# (README, "Quantized KV cache", has the measurements): 64 keeps q8 and q4 within their memory
+# (a group of 32 would take 0.56x and 0.31x of float16's bytes); q2 fits at 32, which halves
+# its loss. KIVI's residual of 128.
+DEFAULT_GROUPS = {"q8": 64, "q4": 64, "q2": 32}
+DEFAULT_RESIDUAL = 128
 MAX_GROUP = 256          # a block of decode attention's slots (kernels.cpu.ATTENTION_BLOCK)
 
 
@@ -69,7 +75,7 @@ class CacheOptions:
     recent: int | None = None
     slack: int = 0
     kv_mem: int | str | None = None
-    kv_group: int = DEFAULT_GROUP
+    kv_group: int | None = None
     kv_residual: int = DEFAULT_RESIDUAL
 
     def __post_init__(self):
@@ -89,13 +95,20 @@ class CacheOptions:
             object.__setattr__(self, "kv_mem", parse_size(self.kv_mem))
         for name in ("kv_group", "kv_residual"):
             value = getattr(self, name)
+            if value is None and name == "kv_group":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 16:
                 raise TinyrtError(f"--{name.replace('_', '-')} must be a whole number from 0 to "
                                   f"65536, not {value!r}")
-        group = self.kv_group
+        group = self.group
         if not 1 <= group <= MAX_GROUP or group & (group - 1):
             raise TinyrtError(f"--kv-group must be a power of two from 1 to {MAX_GROUP}, "
                               f"not {group}")
+
+    @property
+    def group(self) -> int:
+        """A quantized cache's group: `kv_group`, or the type's default."""
+        return DEFAULT_GROUPS.get(self.kv_type, 64) if self.kv_group is None else self.kv_group
 
     @property
     def bits(self) -> int | None:
@@ -109,9 +122,9 @@ class CacheOptions:
 
     def check(self, layout) -> None:
         """A TinyrtError if a model (a KVLayout, or a config) cannot have this cache."""
-        why = self.bits and kv_quant.check_layout(self.bits, self.kv_group, layout.head_dim)
+        why = self.bits and kv_quant.check_layout(self.bits, self.group, layout.head_dim)
         if why:
-            raise TinyrtError(f"--kv-type {self.kv_type} with --kv-group {self.kv_group}: {why}")
+            raise TinyrtError(f"--kv-type {self.kv_type} with --kv-group {self.group}: {why}")
 
     def token_bytes(self, config) -> int:
         """The memory one cached token takes in a model of `config`: its K and V in every layer
@@ -120,7 +133,7 @@ class CacheOptions:
         L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         table = L * G * (8 + 4) if self.kv_policy == "h2o" else 8
         if self.bits:
-            return math.ceil(L * G * kv_quant.token_bytes(self.bits, self.kv_group, D)) + table
+            return math.ceil(L * G * kv_quant.token_bytes(self.bits, self.group, D)) + table
         return 2 * L * G * D * self.dtype.itemsize + table
 
     def fixed_bytes(self, config) -> int:
@@ -129,9 +142,9 @@ class CacheOptions:
         if not self.bits:
             return 0
         L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        pin = 0 if self.kv_policy == "dense" else -(-self.sinks // self.kv_group)
-        entries = kv_quant.pool_entries(self.kv_group, self.kv_residual, pin)
-        return L * G * entries * (2 * self.kv_group * D * 2 + 12)
+        pin = -(-self.sinks // self.group)
+        entries = kv_quant.pool_entries(self.group, self.kv_residual, pin)
+        return L * G * entries * (2 * self.group * D * 2 + 12)
 
     def describe(self, config, tokens: int | None = None) -> str:
         """Its memory in words: per token, and for `tokens` (default: its size) tokens."""
@@ -175,8 +188,9 @@ class KVLayout(NamedTuple):
 class LayerView(NamedTuple):
     """One layer's part of the cache, as the decoder's attention reads and writes it."""
 
-    k: Any                  # [G, capacity, D] keys (float16 or float32; a backend's array)
-    v: Any                  # [G, capacity, D] values
+    k: Any                  # [G, capacity, D] keys (float16 or float32; a backend's array), or
+                            # the layer's kernels.kv_quant.QuantKV (keys and values)
+    v: Any                  # [G, capacity, D] values, or None with a QuantKV
     slots: np.ndarray       # [G, n] int64: the slot each KV head puts each new token in
     k_pos: np.ndarray       # [G, span] int64: the position each slot [0, span) holds (-1: not read)
     score: Any              # [G, capacity] float32 attention accumulated per slot, or None
@@ -201,7 +215,7 @@ class KVCache:
             raise TinyrtError(f"--kv-type {options.kv_type} runs on the cpu and reference devices; "
                               f"the {backend.name} kernels read f16 and f32 caches")
         if self.quantized:       # whole blocks of slots
-            B = options.kv_group
+            B = options.group
             slots = -(-capacity // B) * B
             pin = -(-options.sinks // B)
             entries = kv_quant.pool_entries(B, options.kv_residual, pin)

@@ -57,7 +57,7 @@ def add_draft_options(g) -> None:
 
 def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
     """The KV cache options (`g` a parser or argument group): policy, size, sinks, recent, type."""
-    from tinyrt.kv_cache import DEFAULT_GROUP, DEFAULT_RESIDUAL, KV_TYPES, POLICIES
+    from tinyrt.kv_cache import DEFAULT_GROUPS, DEFAULT_RESIDUAL, KV_TYPES, POLICIES
 
     g.add_argument("--kv-policy", choices=list(POLICIES), default=policy,
                    help="KV cache policy: dense (fill, then stop), sink (StreamingLLM: keep the "
@@ -79,9 +79,10 @@ def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
                    help="KV cache element type: f16, f32, or KIVI codes of 8, 4 or 2 bits, keys "
                         "per channel and values per token (q4: a quarter of f16's memory) "
                         "(default f16)")
-    g.add_argument("--kv-group", type=int, default=DEFAULT_GROUP,
+    g.add_argument("--kv-group", type=int, default=None,
                    help="q8/q4/q2: tokens per key scale and channels per value scale, a power "
-                        f"of two (default {DEFAULT_GROUP})")
+                        "of two (default " + ", ".join(f"{t} {n}" for t, n in DEFAULT_GROUPS.items())
+                        + ")")
     g.add_argument("--kv-residual", type=int, default=DEFAULT_RESIDUAL,
                    help="q8/q4/q2: the most recent tokens kept in float16 until a group of them "
                         f"is full (default {DEFAULT_RESIDUAL})")
