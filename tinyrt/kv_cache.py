@@ -50,8 +50,8 @@ KV_TYPES = {"f16": np.float16, "f32": np.float32, **dict.fromkeys(kv_quant.BITS)
 DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
 # KIVI's group (tokens per key scale, channels per value scale) and float residual, by type
 # (README, "Quantized KV cache", has the measurements): 64 keeps q8 and q4 within their memory
-# (a group of 32 would take 0.56x and 0.31x of float16's bytes); q2 fits at 32, which halves
-# its loss. KIVI's residual of 128.
+# (a group of 32 would take 0.56x and 0.31x of float16's bytes); q2 fits at 32, where it loses
+# less. KIVI's residual of 128.
 DEFAULT_GROUPS = {"q8": 64, "q4": 64, "q2": 32}
 DEFAULT_RESIDUAL = 128
 MAX_GROUP = 256          # a block of decode attention's slots (kernels.cpu.ATTENTION_BLOCK)
