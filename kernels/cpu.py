@@ -447,6 +447,72 @@ def swiglu(gu):
 ATTENTION_BLOCK = 256    # cache slots per block of decode attention
 
 
+@njit(cache=True, inline="always")
+def _hidden(p, q_pos, window):
+    """Whether a slot holding position p is hidden from a query at q_pos (window <= 0: none)."""
+    return p < 0 or p > q_pos or (window > 0 and q_pos - p >= window)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _row_score(q, h, k, row, Dv):
+    """sum over d of q[h, d] * k[row, d] (k float16 bits or float32 rows): simd.cache_dot for
+    the first Dv columns, a loop for the rest."""
+    acc = simd.cache_dot(q, h, k, row, Dv)
+    for d in range(Dv, q.shape[1]):
+        acc += q[h, d] * simd.as_float(k[row, d])
+    return acc
+
+
+@njit(fastmath=True, cache=True)
+def _softmax(scores, n, s0, s1, g, top, total, probs):
+    """The scores [R, s1 - s0] of KV head g's R query heads over slots [s0, s1), of which the
+    first n may be visible (hidden ones -inf), -> e**(score - top) in place, top[h] the
+    largest, total[h] their sum (0 and a row of zeros where none is visible); probs (when
+    not empty) [Q, S] gets the row."""
+    R = scores.shape[0]
+    keep = probs.shape[1] > 0
+    for r in range(R):
+        h, sr = g * R + r, scores[r]
+        m = np.float32(-np.inf)
+        for i in range(n):
+            m = simd.fmax(m, sr[i])
+        top[h] = m
+        if keep:
+            probs[h, s0 + n:s1] = 0
+        if m == -np.inf:                 # no visible slot here
+            total[h] = 0
+            sr[:] = 0
+            if keep:
+                probs[h, s0:s1] = 0
+            continue
+        t = np.float32(0)
+        for i in range(n):
+            e = exp(sr[i] - m)           # 0 for a hidden slot, whose V row is still read
+            sr[i] = e                    # below: harmless, cached values are finite (to_cache)
+            t += e
+        total[h] = t
+        if keep:
+            probs[h, s0:s0 + n] = sr[:n]
+
+
+@njit(fastmath=True, cache=True)
+def _add_rows(e, i0, v, row0, count, out, h, Dv):
+    """out[h] += sum over k < count of e[i0 + k] * v[row0 + k] (v float16 bits or float32
+    rows): simd.cache_axpy4 four rows at a time over the first Dv columns, loops for the rest."""
+    k = 0
+    while k + 4 <= count:
+        simd.cache_axpy4(e, i0 + k, v, row0 + k, out, h, Dv)
+        k += 4
+    for k in range(k, count):
+        x = e[i0 + k]
+        for d in range(Dv):
+            out[h, d] += x * simd.as_float(v[row0 + k, d])
+    for k in range(count):
+        x = e[i0 + k]
+        for d in range(Dv, out.shape[1]):
+            out[h, d] += x * simd.as_float(v[row0 + k, d])
+
+
 @njit(fastmath=True, cache=True)
 def _attention_slots(q, kg, vg, pg, o, q_pos, scale, window, s0, s1, g, R, out, top, total,
                      probs):
@@ -460,53 +526,19 @@ def _attention_slots(q, kg, vg, pg, o, q_pos, scale, window, s0, s1, g, R, out, 
     D = q.shape[1]
     Dv = D - D % simd.LANES
     scores = np.empty((R, s1 - s0), np.float32)
-    keep = probs.shape[1] > 0
     n = 0              # slots [s0, s0 + n) up to the last visible one: the sums below then
     for s in range(s0, s1):          # do not depend on hidden slots after it (to the bit)
-        p = pg[s]
-        if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
+        if _hidden(pg[s], q_pos, window):
             for r in range(R):
                 scores[r, s - s0] = -np.inf
             continue
         n = s - s0 + 1
         for r in range(R):
-            acc = simd.cache_dot(q, g * R + r, kg, s - o, Dv)
-            for d in range(Dv, D):
-                acc += q[g * R + r, d] * simd.as_float(kg[s - o, d])
-            scores[r, s - s0] = acc * scale
+            scores[r, s - s0] = _row_score(q, g * R + r, kg, s - o, Dv) * scale
+    _softmax(scores, n, s0, s1, g, top, total, probs)
     for r in range(R):
-        h, sr = g * R + r, scores[r]
-        m = np.float32(-np.inf)
-        for i in range(n):
-            m = simd.fmax(m, sr[i])
-        top[h] = m
-        if keep:
-            probs[h, s0 + n:s1] = 0
-        if m == -np.inf:                 # no visible slot here
-            total[h] = 0
-            if keep:
-                probs[h, s0:s1] = 0
-            continue
-        t = np.float32(0)
-        for i in range(n):
-            e = exp(sr[i] - m)           # 0 for a hidden slot, whose V row is still read
-            sr[i] = e                    # below: harmless, cached values are finite (to_cache)
-            t += e
-        total[h] = t
-        if keep:
-            probs[h, s0:s0 + n] = sr[:n]
-        s = s0
-        while s + 4 <= s0 + n:
-            simd.cache_axpy4(sr, s - s0, vg, s - o, out, h, Dv)
-            s += 4
-        for s in range(s, s0 + n):
-            e = sr[s - s0]
-            for d in range(Dv):
-                out[h, d] += e * simd.as_float(vg[s - o, d])
-        for s in range(s0, s0 + n):
-            e = sr[s - s0]
-            for d in range(Dv, D):
-                out[h, d] += e * simd.as_float(vg[s - o, d])
+        if total[g * R + r] > 0:
+            _add_rows(scores[r], 0, vg, s0 - o, n, out, g * R + r, Dv)
 
 
 @njit(fastmath=True, cache=True)
@@ -532,7 +564,6 @@ def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, win
     sz = np.empty((2, D), np.float32)
     wv = np.empty((R, B, D // Gv), np.float32)
     zs = np.empty((R, D // Gv), np.float32)
-    keep = probs.shape[1] > 0
     pg = k_pos[g]
     n = 0
     for j in range(s0 // B, (s1 + B - 1) // B):
@@ -548,59 +579,21 @@ def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, win
                 kb[r, :] = b
             cpu_kv.add_codes(wk, kc[g, j], bits, B, kb)
         for s in range(a0, a1):
-            p = pg[s]
-            if p < 0 or p > q_pos or (window > 0 and q_pos - p >= window):
+            if _hidden(pg[s], q_pos, window):
                 for r in range(R):
                     scores[r, s - s0] = -np.inf
                 continue
             n = s - s0 + 1
             for r in range(R):
-                if e < 0:
-                    acc = kb[r, s - a0]
-                else:
-                    acc = simd.cache_dot(q, g * R + r, fk[g, e], s - a0, Dv)
-                    for d in range(Dv, D):
-                        acc += q[g * R + r, d] * simd.as_float(fk[g, e, s - a0, d])
+                acc = kb[r, s - a0] if e < 0 else _row_score(q, g * R + r, fk[g, e], s - a0, Dv)
                 scores[r, s - s0] = acc * scale
-    for r in range(R):
-        h, sr = g * R + r, scores[r]
-        m = np.float32(-np.inf)
-        for i in range(n):
-            m = simd.fmax(m, sr[i])
-        top[h] = m
-        if keep:
-            probs[h, s0 + n:s1] = 0
-        if m == -np.inf:
-            total[h] = 0
-            if keep:
-                probs[h, s0:s1] = 0
-            sr[:] = 0
-            continue
-        t = np.float32(0)
-        for i in range(n):
-            x = exp(sr[i] - m)
-            sr[i] = x
-            t += x
-        total[h] = t
-        if keep:
-            probs[h, s0:s0 + n] = sr[:n]
+    _softmax(scores, n, s0, s1, g, top, total, probs)
     zs[:] = 0
     for j in range(s0 // B, (s0 + n + B - 1) // B):
         a0, a1, e = j * B, min(s0 + n, j * B + B), where[g, j]
         if e >= 0:
-            fvg = fv[g, e]
             for r in range(R):
-                h, sr = g * R + r, scores[r]
-                s = a0
-                while s + 4 <= a1:
-                    simd.cache_axpy4(sr, s - s0, fvg, s - a0, out, h, Dv)
-                    s += 4
-                for s in range(s, a1):
-                    for d in range(Dv):
-                        out[h, d] += sr[s - s0] * simd.as_float(fvg[s - a0, d])
-                for s in range(a0, a1):
-                    for d in range(Dv, D):
-                        out[h, d] += sr[s - s0] * simd.as_float(fvg[s - a0, d])
+                _add_rows(scores[r], a0 - s0, fv[g, e], 0, a1 - a0, out, g * R + r, Dv)
             continue
         for s in range(a0, a1):
             for gi in range(D // Gv):
