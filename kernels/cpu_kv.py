@@ -24,41 +24,38 @@ def code(x, s, z, top):
 
 
 @njit(cache=True)
+def _quantize_group(x, bits, sz, row, at):
+    """kv_quant.quantize of one group x (float16 bits, any stride): its scale and zero into
+    sz [2] (float16 bits), its codes or-ed into the code row `row` (kv_quant's planes) as values
+    at, at + 1, ... (the row zeroed before)."""
+    top = (1 << bits) - 1
+    mn, mx = np.float32(np.inf), np.float32(-np.inf)
+    for i in range(x.shape[0]):
+        v = simd.as_float(x[i])
+        mn, mx = min(mn, v), max(mx, v)
+    sz[0] = simd.to_cache((mx - mn) / np.float32(top), sz)
+    sz[1] = simd.to_cache(mn, sz)
+    s, z = simd.as_float(sz[0]), simd.as_float(sz[1])
+    W = row.shape[0]
+    for i in range(x.shape[0]):
+        c = code(simd.as_float(x[i]), s, z, top)
+        row[(at + i) % W] |= np.uint8(c << ((at + i) // W * bits))
+
+
+@njit(cache=True)
 def _seal(kc, ks, vc, vs, fk, fv, where, owner, n, e, bits):
     """Quantize the block that pool entry e of row n holds into its codes; free the entry."""
-    B, D, W, Wk = fk.shape[2], fk.shape[3], vc.shape[2], kc.shape[3]
+    B, D = fk.shape[2], fk.shape[3]
     Gv = D // vs.shape[-1]            # channels per value group
-    top = (1 << bits) - 1
     j = owner[n, e]
-    ftop = np.float32(top)
-    for i in range(B):
-        for w in range(W):
-            vc[n, j * B + i, w] = 0
     for d in range(D):                       # keys: per channel over the block's slots
-        for w in range(Wk):
-            kc[n, j, d, w] = 0
-        mn, mx = np.float32(np.inf), np.float32(-np.inf)
-        for i in range(B):
-            x = simd.as_float(fk[n, e, i, d])
-            mn, mx = min(mn, x), max(mx, x)
-        ks[n, j, 0, d] = simd.to_cache((mx - mn) / ftop, ks)
-        ks[n, j, 1, d] = simd.to_cache(mn, ks)
-        s, z = simd.as_float(ks[n, j, 0, d]), simd.as_float(ks[n, j, 1, d])
-        for i in range(B):
-            c = code(simd.as_float(fk[n, e, i, d]), s, z, top)
-            kc[n, j, d, i % Wk] |= np.uint8(c << (i // Wk * bits))
+        kc[n, j, d, :] = 0
+        _quantize_group(fk[n, e, :, d], bits, ks[n, j, :, d], kc[n, j, d], 0)
     for i in range(B):                       # values: per slot, per group of channels
+        vc[n, j * B + i, :] = 0
         for g in range(D // Gv):
-            mn, mx = np.float32(np.inf), np.float32(-np.inf)
-            for d in range(g * Gv, (g + 1) * Gv):
-                x = simd.as_float(fv[n, e, i, d])
-                mn, mx = min(mn, x), max(mx, x)
-            vs[n, j * B + i, 0, g] = simd.to_cache((mx - mn) / ftop, vs)
-            vs[n, j * B + i, 1, g] = simd.to_cache(mn, vs)
-            s, z = simd.as_float(vs[n, j * B + i, 0, g]), simd.as_float(vs[n, j * B + i, 1, g])
-            for d in range(g * Gv, (g + 1) * Gv):
-                c = code(simd.as_float(fv[n, e, i, d]), s, z, top)
-                vc[n, j * B + i, d % W] |= np.uint8(c << (d // W * bits))
+            _quantize_group(fv[n, e, i, g * Gv:(g + 1) * Gv], bits, vs[n, j * B + i, :, g],
+                            vc[n, j * B + i], g * Gv)
     where[n, j] = -1
     owner[n, e] = -1
 
