@@ -449,8 +449,9 @@ ATTENTION_BLOCK = 256    # cache slots per block of decode attention
 
 @njit(cache=True, inline="always")
 def _hidden(p, q_pos, window):
-    """Whether a slot holding position p is hidden from a query at q_pos (window <= 0: none)."""
-    return p < 0 or p > q_pos or (window > 0 and q_pos - p >= window)
+    """Whether a slot holding position p is hidden from a query at q_pos (window <= 0: none).
+    Without branches, so that a loop over slots vectorizes."""
+    return (p < 0) | (p > q_pos) | ((window > 0) & (q_pos - p >= window))
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -549,60 +550,78 @@ def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, win
     (cpu_kv.add_codes: each row of codes taken apart once for the R query heads, their sums in
     registers). Keys: score = sum_d (q_d scale_d) code[d, s] + sum_d q_d zero_d, for the B
     slots of a block at once (its codes lie by channel); values: out += (e scale) code per
-    slot and channel group, the e zero parts summed per group and added at the end. s0 is a
-    multiple of the block."""
+    slot and channel group, the e zero parts summed per group and added at the end. A block
+    with no visible slot is not read. The per-slot work is in loops over a block's slots
+    that the compiler vectorizes: at a few thousand slots it costs as much as the codes do.
+    s0 is a multiple of the block."""
     Q, D = q.shape
     G = where.shape[0]
     R = Q // G
     B = fk.shape[2]
     bits = vc.shape[2] * 8 // D
-    Gv = D // vs.shape[-1]            # channels per value group
+    NG = vs.shape[-1]                 # value groups per slot
+    Gv = D // NG                      # channels per value group
     Dv = D - D % simd.LANES
     scores = np.empty((R, s1 - s0), np.float32)
     kb = np.empty((R, B), np.float32)
     wk = np.empty((R, D, 1), np.float32)
-    sz = np.empty((2, D), np.float32)
-    wv = np.empty((R, B, D // Gv), np.float32)
-    zs = np.empty((R, D // Gv), np.float32)
+    sz = np.empty((2, max(B, D)), np.float32)
+    wv = np.empty((R, B, NG), np.float32)
+    zs = np.zeros((R, NG), np.float32)
+    seen = np.empty(B, np.bool_)
+    live = np.zeros((s1 - s0 + B - 1) // B, np.bool_)      # blocks with a visible slot
     pg = k_pos[g]
     n = 0
     for j in range(s0 // B, (s1 + B - 1) // B):
-        a0, a1, e = j * B, min(s1, j * B + B), where[g, j]
-        if e < 0:          # the block's scores, B slots at a time along each key channel
-            for d in range(D):
-                sz[0, d], sz[1, d] = simd.as_float(ks[g, j, 0, d]), simd.as_float(ks[g, j, 1, d])
-            for r in range(R):
-                b = np.float32(0)
-                for d in range(D):
-                    wk[r, d, 0] = q[g * R + r, d] * sz[0, d]
-                    b += q[g * R + r, d] * sz[1, d]
-                kb[r, :] = b
-            cpu_kv.add_codes(wk, kc[g, j], bits, B, kb)
-        for s in range(a0, a1):
-            if _hidden(pg[s], q_pos, window):
+        a0, m, e = j * B, min(s1, j * B + B) - j * B, where[g, j]
+        last = -1
+        for i in range(m):
+            seen[i] = not _hidden(pg[a0 + i], q_pos, window)
+            last = max(last, i if seen[i] else -1)
+        live[j - s0 // B] = last >= 0
+        if last < 0:
+            scores[:, a0 - s0:a0 - s0 + m] = -np.inf
+            continue
+        n = a0 + last + 1 - s0
+        if e >= 0:
+            for i in range(m):
                 for r in range(R):
-                    scores[r, s - s0] = -np.inf
-                continue
-            n = s - s0 + 1
-            for r in range(R):
-                acc = kb[r, s - a0] if e < 0 else _row_score(q, g * R + r, fk[g, e], s - a0, Dv)
-                scores[r, s - s0] = acc * scale
+                    scores[r, a0 - s0 + i] = _row_score(q, g * R + r, fk[g, e], i, Dv) * scale \
+                        if seen[i] else -np.inf
+            continue
+        for d in range(D):           # the block's scores, B slots at a time along each channel
+            sz[0, d], sz[1, d] = simd.as_float(ks[g, j, 0, d]), simd.as_float(ks[g, j, 1, d])
+        for r in range(R):
+            b = np.float32(0)
+            for d in range(D):
+                wk[r, d, 0] = q[g * R + r, d] * sz[0, d]
+                b += q[g * R + r, d] * sz[1, d]
+            kb[r, :] = b
+        cpu_kv.add_codes(wk, kc[g, j], bits, B, kb)
+        for r in range(R):
+            sr, kr = scores[r, a0 - s0:a0 - s0 + m], kb[r]
+            for i in range(m):
+                sr[i] = kr[i] * scale if seen[i] else -np.inf
     _softmax(scores, n, s0, s1, g, top, total, probs)
-    zs[:] = 0
     for j in range(s0 // B, (s0 + n + B - 1) // B):
-        a0, a1, e = j * B, min(s0 + n, j * B + B), where[g, j]
+        a0, m, e = j * B, min(s0 + n, j * B + B) - j * B, where[g, j]
+        if not live[j - s0 // B]:        # its weights are all 0
+            continue
         if e >= 0:
             for r in range(R):
-                _add_rows(scores[r], a0 - s0, fv[g, e], 0, a1 - a0, out, g * R + r, Dv)
+                _add_rows(scores[r], a0 - s0, fv[g, e], 0, m, out, g * R + r, Dv)
             continue
-        for s in range(a0, a1):
-            for gi in range(D // Gv):
-                sc, ze = simd.as_float(vs[g, s, 0, gi]), simd.as_float(vs[g, s, 1, gi])
-                for r in range(R):
-                    x = scores[r, s - s0]
-                    wv[r, s - a0, gi] = x * sc
-                    zs[r, gi] += x * ze
-        cpu_kv.add_codes(wv, vc[g, a0:a1], bits, Gv, out[g * R:(g + 1) * R])
+        for gi in range(NG):
+            for i in range(m):
+                sz[0, i], sz[1, i] = simd.as_float(vs[g, a0 + i, 0, gi]), \
+                    simd.as_float(vs[g, a0 + i, 1, gi])
+            for r in range(R):
+                sr, z = scores[r, a0 - s0:a0 - s0 + m], np.float32(0)
+                for i in range(m):
+                    wv[r, i, gi] = sr[i] * sz[0, i]
+                    z += sr[i] * sz[1, i]
+                zs[r, gi] += z
+        cpu_kv.add_codes(wv, vc[g, a0:a0 + m], bits, Gv, out[g * R:(g + 1) * R])
     for r in range(R):
         for d in range(D):
             out[g * R + r, d] += zs[r, d // Gv]

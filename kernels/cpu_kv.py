@@ -78,8 +78,7 @@ def add_codes(w, codes, bits, group, acc):
     """acc[r, l] += sum over rows i of w[r, i, l // group] * value l of codes[i] (kv_quant's
     planes; w float32 [R, >= n, L / group], acc float32 [R, L], codes uint8 [n, L bits / 8]):
     simd.codes_axpy where a row's bytes and the groups split into whole vectors, else loops."""
-    if codes.shape[1] % (simd.LANES // 2) == 0 and group % simd.LANES == 0 and \
-            acc.shape[1] % simd.LANES == 0:
+    if simd.codes_axpy_fits(codes.shape[1], bits, group):
         simd.codes_axpy(w, codes, bits, group, acc)
         return
     R, L = acc.shape

@@ -495,88 +495,124 @@ def fmax(typingctx, a, b):
 
 # -- the quantized KV cache's codes (kernels.kv_quant) --------------------------------------------
 
-def _codes_axpy(heads: int):
-    """The intrinsic codes_axpy{heads}(w, r0, codes, bits, group, acc): for heads r in
-    [r0, r0 + heads), acc[r, l] += sum over rows i of w[r, i, l // group] * code(i, l), where
+@intrinsic(prefer_literal=True)
+def codes_tile(typingctx, w, r0, codes, group, acc, heads, bits, narrow):
+    """codes_tile(w, r0, codes, group, acc, heads, bits, narrow), the last three constants: for
+    heads r in [r0, r0 + heads), acc[r, l] += sum over rows i of w[r, i, l // group] * code(i, l), where
     code(i, l) is value l of row i of `codes` (uint8 [n, W], C-contiguous, in kv_quant's planes
     of `bits`-bit values: byte l % W at bit (l // W) bits), w float32 [R, n, groups] and acc
-    float32 [R, L] (L = W 8 / bits), both C-contiguous. W must be a multiple of LANES / 2,
-    `group` and L of LANES. For each LANES values of the rows, the heads' sums stay in registers while the rows
-    are read, and each row's codes are taken apart once for all the heads: decode attention
-    over a quantized cache, keys (rows: channels, values: a block's slots) and values (rows:
-    slots, values: channels) alike."""
-    @intrinsic
-    def codes_axpy(typingctx, w, r0, codes, bits, group, acc):
-        sig = types.void(w, r0, codes, bits, group, acc)
+    float32 [R, L] (L = W 8 / bits), both C-contiguous. W must be a multiple of 16 (or, if
+    `narrow`, 8: a row of 8 bytes, bits <= 4) and `group` of LANES: decode attention over a
+    quantized cache, keys (rows: channels, values: a block's slots) and values (rows: slots,
+    values: channels) alike.
 
-        def codegen(context, builder, signature, args):
-            w_ty, r0_ty, c_ty, bits_ty, g_ty, a_ty = signature.args
-            intp = context.get_value_type(types.intp)
-            i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-            vec, ivec = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
-            r0, bits, group = (context.cast(builder, args[j], signature.args[j], types.intp)
-                               for j in (1, 3, 4))
-            w_arr = context.make_array(w_ty)(context, builder, args[0])
-            c_arr = context.make_array(c_ty)(context, builder, args[2])
-            a_arr = context.make_array(a_ty)(context, builder, args[5])
-            n, W = cgutils.unpack_tuple(builder, c_arr.shape, 2)
-            L = cgutils.unpack_tuple(builder, a_arr.shape, 2)[1]
-            mask = _splat(builder, builder.trunc(builder.sub(
-                builder.shl(ir.Constant(intp, 1), bits), ir.Constant(intp, 1)), i32))
-            zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
-            rows = [builder.add(r0, ir.Constant(intp, t)) for t in range(heads)]
-            half = ir.VectorType(i8, LANES // 2)
-            both = ir.Constant(ir.VectorType(i32, LANES), list(range(LANES)))
-            with cgutils.for_range_slice(builder, zero, L, step) as (l0, _):
-                # the two halves of the LANES values: bytes of one plane each (W % 8 == 0)
-                l1 = builder.add(l0, ir.Constant(intp, LANES // 2))
-                bytes_ = [builder.urem(l, W) for l in (l0, l1)]
-                shifts = [_splat(builder, builder.trunc(builder.mul(builder.udiv(l, W), bits), i32))
-                          for l in (l0, l1)]
-                shift = builder.shuffle_vector(shifts[0], shifts[1], ir.Constant(
-                    ir.VectorType(i32, LANES), list(range(LANES // 2))
-                    + list(range(LANES, LANES + LANES // 2))))
-                g = builder.udiv(l0, group)
-                acc_ptrs = [builder.bitcast(cgutils.get_item_pointer(
-                    context, builder, a_ty, a_arr, [r, l0]), vec.as_pointer()) for r in rows]
-                sums = [cgutils.alloca_once_value(builder, builder.load(p, align=4))
-                        for p in acc_ptrs]
-                with cgutils.for_range(builder, n) as loop:
-                    i = loop.index
-                    x0, x1 = (builder.load(builder.bitcast(cgutils.get_item_pointer(
-                        context, builder, c_ty, c_arr, [i, b]), half.as_pointer()), align=1)
-                        for b in bytes_)
-                    x = builder.shuffle_vector(x0, x1, both)
-                    x = builder.and_(builder.lshr(builder.zext(x, ivec), shift), mask)
-                    x = builder.uitofp(x, vec)
+    A register tile: each row's 16 bytes are loaded and widened once and give every plane's
+    values (of 8 bytes: planes two by two), so the tile's 8 / bits vectors (4 / bits narrow)
+    of the heads' sums stay in registers over the rows, and a row's codes are taken apart
+    once for all the heads."""
+    heads_ty, bits_ty, narrow_ty = heads, bits, narrow
+    heads, bits, narrow = (a.literal_value for a in (heads, bits, narrow))
+    planes = 8 // bits
+    vectors = planes // 2 if narrow else planes
+    # the bit of each lane's value in its byte, per vector of the tile
+    if narrow:
+        shifts = [[2 * v * bits] * (LANES // 2) + [(2 * v + 1) * bits] * (LANES // 2)
+                  for v in range(vectors)]
+    else:
+        shifts = [[v * bits] * LANES for v in range(vectors)]
+
+    sig = types.void(w, r0, codes, group, acc, heads_ty, bits_ty, narrow_ty)
+
+    def codegen(context, builder, signature, args):
+        w_ty, r0_ty, c_ty, g_ty, a_ty = signature.args[:5]
+        intp = context.get_value_type(types.intp)
+        i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+        vec, ivec = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES)
+        r0, group = (context.cast(builder, args[j], signature.args[j], types.intp)
+                     for j in (1, 3))
+        w_arr = context.make_array(w_ty)(context, builder, args[0])
+        c_arr = context.make_array(c_ty)(context, builder, args[2])
+        a_arr = context.make_array(a_ty)(context, builder, args[4])
+        n, W = cgutils.unpack_tuple(builder, c_arr.shape, 2)
+        rows = [builder.add(r0, ir.Constant(intp, t)) for t in range(heads)]
+        masks = [ir.Constant(ivec, [(1 << bits) - 1] * LANES) for _ in range(vectors)]
+        step = ir.Constant(intp, LANES)
+        load_ty = ir.VectorType(i8, LANES // 2 if narrow else LANES)
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), W, step) as (w0, _):
+            # vector v of the tile: the values acc[:, base_v : base_v + LANES)
+            if narrow:
+                bases = [ir.Constant(intp, LANES * v) for v in range(vectors)]
+            else:
+                bases = [builder.add(w0, builder.mul(W, ir.Constant(intp, v)))
+                         for v in range(vectors)]
+            groups = [builder.udiv(b, group) for b in bases]
+            ptrs = [[builder.bitcast(cgutils.get_item_pointer(
+                context, builder, a_ty, a_arr, [r, b]), vec.as_pointer()) for b in bases]
+                for r in rows]
+            sums = [[cgutils.alloca_once_value(builder, builder.load(p, align=4))
+                     for p in row] for row in ptrs]
+            with cgutils.for_range(builder, n) as loop:
+                i = loop.index
+                x = builder.load(builder.bitcast(cgutils.get_item_pointer(
+                    context, builder, c_ty, c_arr, [i, w0]), load_ty.as_pointer()), align=1)
+                if narrow:
+                    x = builder.shuffle_vector(x, x, ir.Constant(
+                        ivec, list(range(LANES // 2)) * 2))
+                x = builder.zext(x, ivec)
+                for v in range(vectors):
+                    y = x
+                    if any(shifts[v]):
+                        y = builder.lshr(y, ir.Constant(ivec, shifts[v]))
+                    if min(shifts[v]) + bits < 8:
+                        y = builder.and_(y, masks[v])
+                    y = builder.uitofp(y, vec)
                     for r, s in zip(rows, sums):
-                        wv = builder.load(cgutils.get_item_pointer(context, builder, w_ty, w_arr,
-                                                                   [r, i, g]))
-                        builder.store(builder.fadd(builder.load(s), builder.fmul(
-                            _splat(builder, wv), x, flags=["fast"]), flags=["fast"]), s)
-                for p, s in zip(acc_ptrs, sums):
+                        wv = builder.load(cgutils.get_item_pointer(
+                            context, builder, w_ty, w_arr, [r, i, groups[v]]))
+                        builder.store(builder.fadd(builder.load(s[v]), builder.fmul(
+                            _splat(builder, wv), y, flags=["fast"]), flags=["fast"]), s[v])
+            for row_ptrs, row_sums in zip(ptrs, sums):
+                for p, s in zip(row_ptrs, row_sums):
                     builder.store(builder.load(s), p, align=4)
-            return context.get_dummy_value()
+        return context.get_dummy_value()
 
-        return sig, codegen
-
-    return codes_axpy
+    return sig, codegen
 
 
-codes_axpy1, codes_axpy2, codes_axpy3, codes_axpy4 = (_codes_axpy(h) for h in (1, 2, 3, 4))
+@njit(cache=True, inline="always")
+def codes_axpy_fits(W, bits, group):
+    """Whether codes_axpy takes rows of W bytes of `bits`-bit codes in groups of `group`."""
+    return (W % LANES == 0 or (W == LANES // 2 and bits <= 4)) and group % LANES == 0
+
+
+@njit(inline="always")
+def _heads(w, codes, group, acc, bits, narrow):
+    """codes_tile over all the heads of acc [R, L], four at a time (bits, narrow: constants)."""
+    R = acc.shape[0]
+    r = 0
+    while R - r >= 4:
+        codes_tile(w, r, codes, group, acc, 4, bits, narrow)
+        r += 4
+    if R - r == 3:
+        codes_tile(w, r, codes, group, acc, 3, bits, narrow)
+    elif R - r == 2:
+        codes_tile(w, r, codes, group, acc, 2, bits, narrow)
+    elif R - r == 1:
+        codes_tile(w, r, codes, group, acc, 1, bits, narrow)
 
 
 @njit(cache=True)
 def codes_axpy(w, codes, bits, group, acc):
-    """_codes_axpy's sums for all the heads of acc [R, L], four at a time."""
-    R = acc.shape[0]
-    r = 0
-    while R - r >= 4:
-        codes_axpy4(w, r, codes, bits, group, acc)
-        r += 4
-    if R - r == 3:
-        codes_axpy3(w, r, codes, bits, group, acc)
-    elif R - r == 2:
-        codes_axpy2(w, r, codes, bits, group, acc)
-    elif R - r == 1:
-        codes_axpy1(w, r, codes, bits, group, acc)
+    """acc[r, l] += sum over rows i of w[r, i, l // group] * code(i, l) for every head r
+    (codes_tile; codes_axpy_fits must hold)."""
+    narrow = codes.shape[1] < LANES
+    if bits == 8:
+        _heads(w, codes, group, acc, 8, False)
+    elif bits == 4 and narrow:
+        _heads(w, codes, group, acc, 4, True)
+    elif bits == 4:
+        _heads(w, codes, group, acc, 4, False)
+    elif narrow:
+        _heads(w, codes, group, acc, 2, True)
+    else:
+        _heads(w, codes, group, acc, 2, False)
