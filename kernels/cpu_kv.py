@@ -24,22 +24,40 @@ def code(x, s, z, top):
 
 
 @njit(cache=True)
-def _quantize_group(x, bits, sz, row, at):
-    """kv_quant.quantize of one group x (float16 bits, any stride): its scale and zero into
-    sz [2] (float16 bits), its codes or-ed into the code row `row` (kv_quant's planes) as values
-    at, at + 1, ... (the row zeroed before)."""
+def _requantize_group(x, bits, sz, row, at, cs):
+    """kv_quant.requantize of one group x (float16 bits, any stride) whose codes are values at,
+    at + 1, ... of the code row `row` (kv_quant's planes) and whose scale and zero are sz [2]
+    (float16 bits): its new codes replace them in the row, its new scale and zero in sz. cs: a
+    scratch int64 [>= len(x)]. Without fastmath: what the group's codes gave is computed as
+    dequantize_rows computes it."""
     top = (1 << bits) - 1
-    mn, mx = np.float32(np.inf), np.float32(-np.inf)
-    for i in range(x.shape[0]):
-        v = simd.as_float(x[i])
-        mn, mx = min(mn, v), max(mx, v)
-    sz[0] = simd.to_cache((mx - mn) / np.float32(top), sz)
-    sz[1] = simd.to_cache(mn, sz)
+    n, W = x.shape[0], row.shape[0]
     s, z = simd.as_float(sz[0]), simd.as_float(sz[1])
-    W = row.shape[0]
-    for i in range(x.shape[0]):
-        c = code(simd.as_float(x[i]), s, z, top)
-        row[(at + i) % W] |= np.uint8(c << ((at + i) // W * bits))
+    kept, stay = False, s > 0
+    for i in range(n):
+        c = (row[(at + i) % W] >> ((at + i) // W * bits)) & top
+        v = simd.as_float(x[i])
+        if v == simd.as_float(simd.to_cache(np.float32(c) * s + z, x)):
+            kept = True
+            cs[i] = c
+        elif stay:
+            u = np.floor((v - z) / s + np.float32(0.5))
+            stay = u >= 0 and u <= top
+            cs[i] = int(u) if stay else 0
+    if not (stay and kept):              # a new grid: kv_quant.quantize
+        mn, mx = np.float32(np.inf), np.float32(-np.inf)
+        for i in range(n):
+            v = simd.as_float(x[i])
+            mn, mx = min(mn, v), max(mx, v)
+        sz[0] = simd.to_cache((mx - mn) / np.float32(top), sz)
+        sz[1] = simd.to_cache(mn, sz)
+        s, z = simd.as_float(sz[0]), simd.as_float(sz[1])
+        for i in range(n):
+            cs[i] = code(simd.as_float(x[i]), s, z, top)
+    for i in range(n):
+        shift = (at + i) // W * bits
+        b = row[(at + i) % W] & ~(top << shift)
+        row[(at + i) % W] = np.uint8(b | (cs[i] << shift))
 
 
 @njit(cache=True)
@@ -48,14 +66,13 @@ def _seal(kc, ks, vc, vs, fk, fv, where, owner, n, e, bits):
     B, D = fk.shape[2], fk.shape[3]
     Gv = D // vs.shape[-1]            # channels per value group
     j = owner[n, e]
+    cs = np.empty(max(B, D), np.int64)
     for d in range(D):                       # keys: per channel over the block's slots
-        kc[n, j, d, :] = 0
-        _quantize_group(fk[n, e, :, d], bits, ks[n, j, :, d], kc[n, j, d], 0)
+        _requantize_group(fk[n, e, :, d], bits, ks[n, j, :, d], kc[n, j, d], 0, cs)
     for i in range(B):                       # values: per slot, per group of channels
-        vc[n, j * B + i, :] = 0
         for g in range(D // Gv):
-            _quantize_group(fv[n, e, i, g * Gv:(g + 1) * Gv], bits, vs[n, j * B + i, :, g],
-                            vc[n, j * B + i], g * Gv)
+            _requantize_group(fv[n, e, i, g * Gv:(g + 1) * Gv], bits, vs[n, j * B + i, :, g],
+                              vc[n, j * B + i], g * Gv, cs)
     where[n, j] = -1
     owner[n, e] = -1
 

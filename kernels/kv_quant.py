@@ -25,13 +25,16 @@ Gv = min(B, D) channels:
 
 A write to a slot of a quantized block opens the block: it takes a free entry, or else the
 least recently written entry, which is sealed first (its block quantized from the floats it
-holds); the block's codes are dequantized into the entry and the slot's row written there.
+holds: requantize); the block's codes are dequantized into the entry and the slot's row written
+there.
 Blocks [0, pin) are never sealed once opened (the attention sinks, whose keys are re-rotated
 as the window moves on, stay exact). With P = pin + ceil(R/B) + 1 entries, a cache written in
 slot order (dense, and the sink ring) holds at least its last R tokens as floats, and every
-block it seals is whole: KIVI's residual of R tokens. Quantizing a sealed block again (a slot
-written after its block was sealed: h2o's evictions, a rollback past the residual) rounds its
-other tokens' dequantized values once more.
+block it seals is whole: KIVI's residual of R tokens. A block sealed again after a few of its
+slots were written (h2o's evictions, a rollback past the residual) keeps, group by group, the
+grid and the codes of the values that are still as its opening gave them, where the new values
+fit that grid: quantized afresh from its floats, every other token's values would be rounded
+once more at each of the block's reopenings.
 
 Codes: code = floor((x - zero) / scale + 1/2) clipped to [0, 2**b - 1], with the float16 scale
 (max - min) / (2**b - 1) and zero min of the group, both as float32; an all-equal group has
@@ -161,6 +164,25 @@ def quantize(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return np.clip(c, 0, 2 ** bits - 1).astype(np.uint8), scale, zero
 
 
+def requantize(x: np.ndarray, was: np.ndarray, codes: np.ndarray, scale: np.ndarray,
+               zero: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """quantize of groups x (along the last axis) that had codes (unpacked, x's shape), scale
+    and zero, which dequantized to was (float16, x's shape): where a group holds a value still
+    equal to what its codes gave and its other values fit its grid (their codes in [0, 2**b
+    - 1]), the grid stays, the values still as they were keep their codes and the others are
+    coded on it; other groups are quantized afresh."""
+    x = x.astype(np.float32)
+    c, s, z = quantize(x, bits)
+    sf, zf = scale.astype(np.float32)[..., None], zero.astype(np.float32)[..., None]
+    kept = x == was.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = np.floor((x - zf) / sf + np.float32(0.5))
+    fits = kept | ((u >= 0) & (u <= 2 ** bits - 1))
+    stay = (scale > 0) & kept.any(axis=-1) & fits.all(axis=-1)
+    c = np.where(stay[..., None], np.where(kept, codes, u), c)
+    return c.astype(np.uint8), np.where(stay, scale, s), np.where(stay, zero, z)
+
+
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes [..., D] -> bytes [..., D b / 8] in planes (module doc)."""
     n = 8 // bits
@@ -196,15 +218,19 @@ def _values(store: QuantKV, row: int, s0: int, s1: int) -> np.ndarray:
 def seal(store: QuantKV, row: int, entry: int) -> None:
     """Quantize the block pool entry `entry` of `row` holds into its codes; free the entry."""
     j, B, bits = store.owner[row, entry], store.block, store.bits
-    k = store.fk[row, entry].astype(np.float32)                  # [B, D]
-    c, scale, zero = quantize(k.T, bits)                         # per channel: [D, B]
+    was = _key_block(store, row, j).astype(np.float16)           # [B, D]: as opened
+    c, scale, zero = requantize(store.fk[row, entry].T, was.T, unpack(store.kc[row, j], bits),
+                                *store.ks[row, j], bits)         # per channel: [D, B]
     store.kc[row, j] = pack(c, bits)
     store.ks[row, j, 0], store.ks[row, j, 1] = scale, zero
-    v = store.fv[row, entry].astype(np.float32)
-    Gv = store.value_channels
-    c, scale, zero = quantize(v.reshape(B, -1, Gv), bits)        # per slot and channel group
-    store.vc[row, j * B:(j + 1) * B] = pack(c.reshape(B, -1), bits)
-    store.vs[row, j * B:(j + 1) * B, 0], store.vs[row, j * B:(j + 1) * B, 1] = scale, zero
+    slots, Gv = slice(j * B, (j + 1) * B), store.value_channels
+    was = _values(store, row, j * B, (j + 1) * B).astype(np.float16)
+    groups = (B, -1, Gv)                                         # per slot and channel group
+    c, scale, zero = requantize(store.fv[row, entry].reshape(groups), was.reshape(groups),
+                                unpack(store.vc[row, slots], bits).reshape(groups),
+                                *store.vs[row, slots].transpose(1, 0, 2), bits)
+    store.vc[row, slots] = pack(c.reshape(B, -1), bits)
+    store.vs[row, slots, 0], store.vs[row, slots, 1] = scale, zero
     store.where[row, j] = -1
     store.owner[row, entry] = -1
 
