@@ -5,7 +5,9 @@ tested against it on fresh random inputs in Numba's CUDA simulator, where CI run
 there). Arrays are anything with the CUDA array interface: torch tensors on the GPU, shared with
 the kernels without copies; NumPy arrays in the simulator. Activations are float32; quantized
 weights are read in the runtime's one form (kernels.quant), their codes as int32 words along
-each output row, never dequantized to memory for a token.
+each output row, never dequantized to memory for a token. A quantized KV cache (kernels.kv_quant)
+is written by one kernel, its pool's bookkeeping included, and read in place by decode attention;
+its codes, scales and zeros are the reference's bit for bit.
 
 Launch shapes are the `launch_*` helpers' business: the kernels take their arrays, the helpers
 pick grid and block.
@@ -18,9 +20,9 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int64, types, uint8
 
-from . import quant, reference
+from . import kv_quant, quant, reference
 
 
 # Numba's CUDA simulator runs every CUDA thread as a Python thread: there, blocks are smaller
@@ -32,6 +34,27 @@ ROWS = 2 if _SIM else 8        # output rows per block of a GEMV
 THREADS = 8 if _SIM else 128   # threads per block of RMSNorm and of decode attention (a power
                                # of two: the block reductions halve it)
 HALF_MAX = 65504.0   # the largest finite float16 (a float16 cache clamps to it, as the reference)
+_TOP16 = np.float32(HALF_MAX)
+_NEVER = np.iinfo(np.int64).max
+MAX_CODES = 256      # the most codes in a row of a quantized cache: its block (slots per key
+                     # channel) and its head dim (channels per value slot)
+
+# code * scale + zero rounded twice, as kv_quant (NumPy) does: NVVM contracts a float32 multiply
+# and add into one fused multiply-add unless each is rounded explicitly (libdevice's _rn forms,
+# PTX mul.rn / add.rn, which are never fused), and a block reopened a rounding apart from the
+# reference would drift from it. The simulator's NumPy float32 arithmetic rounds every step.
+if _SIM:
+    @cuda.jit(device=True)
+    def _mul_rn(a, b):
+        return a * b
+
+    @cuda.jit(device=True)
+    def _add_rn(a, b):
+        return a + b
+else:
+    from numba.cuda import libdevice
+
+    _mul_rn, _add_rn = libdevice.fmul_rn, libdevice.fadd_rn
 
 
 @cuda.jit
@@ -163,30 +186,18 @@ def store_kv(k_buf, v_buf, slots, k, v, top):
         v_buf[g, s, d] = min(max(v[t, g, d], -top), top)
 
 
-@cuda.jit
-def attention_decode(q, k, v, q_pos, k_pos, scale, window, score, probs, out):
-    """One query per head q [Q, D] over the cache buffers k, v [G, C, D], slots [0, S) of which
-    hold positions k_pos [G, S] (-1: free), in any order; window <= 0: none. One block per query
-    head: its threads take every THREADS-th slot for the scores (kept in probs [Q, S]), the block
-    finds their largest and the softmax's sum, then each thread sums the weighted V rows for its
-    share of the D columns. score [G, C] (empty [G, 0]: none) gets each slot's weight added
-    (atomically: the R query heads of a KV head add to the same row). out [Q, D]."""
-    h, tid = cuda.blockIdx.x, cuda.threadIdx.x
-    Q, D = q.shape
-    G, S = k_pos.shape
-    g = h // (Q // G)
-    part = cuda.shared.array(THREADS, float32)
-    top = float32(-math.inf)
-    for s in range(tid, S, THREADS):
-        p = k_pos[g, s]
-        e = float32(-math.inf)
-        if p >= 0 and p <= q_pos and (window <= 0 or q_pos - p < window):
-            e = float32(0)
-            for d in range(D):
-                e += q[h, d] * float32(k[g, s, d])
-            e *= scale
-        probs[h, s] = e
-        top = max(top, e)
+@cuda.jit(device=True)
+def _visible(p, q_pos, window):
+    """Whether a query at q_pos sees the slot holding position p (-1: free): causal, and inside
+    the window (window <= 0: none)."""
+    return p >= 0 and p <= q_pos and (window <= 0 or q_pos - p < window)
+
+
+@cuda.jit(device=True)
+def _softmax(probs, h, S, part, tid, top):
+    """Query head h's scores probs[h, :S] (-inf: hidden; each thread's are every THREADS-th,
+    their largest `top`) -> exp(score - the largest), in place; returns 1 / their sum (0: none
+    visible). Every thread's weights are written when it returns."""
     top = _block_reduce(part, tid, top, True)
     total = float32(0)
     for s in range(tid, S, THREADS):
@@ -195,16 +206,318 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, score, probs, out):
         probs[h, s] = e
         total += e
     total = _block_reduce(part, tid, total, False)
-    inv = float32(0) if total == 0 else float32(1) / total
     cuda.syncthreads()           # every thread's probs written before any thread reads them all
+    return float32(0) if total == 0 else float32(1) / total
+
+
+@cuda.jit(device=True)
+def _add_score(score, probs, g, h, S, tid, inv):
+    """H2O: query head h's weights added to its KV head's scores score [G, C] (atomically: the
+    R query heads of a KV head add to the same row); score [G, 0]: none kept."""
+    if score.shape[1] > 0:
+        for s in range(tid, S, THREADS):
+            cuda.atomic.add(score, (g, s), probs[h, s] * inv)
+
+
+@cuda.jit
+def attention_decode(q, k, v, q_pos, k_pos, scale, window, score, probs, out):
+    """One query per head q [Q, D] over the cache buffers k, v [G, C, D], slots [0, S) of which
+    hold positions k_pos [G, S] (-1: free), in any order; window <= 0: none. One block per query
+    head: its threads take every THREADS-th slot for the scores (kept in probs [Q, S]), the block
+    finds their largest and the softmax's sum, then each thread sums the weighted V rows for its
+    share of the D columns. score [G, C] (empty [G, 0]: none) gets each slot's weight added.
+    out [Q, D]."""
+    h, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    Q, D = q.shape
+    G, S = k_pos.shape
+    g = h // (Q // G)
+    part = cuda.shared.array(THREADS, float32)
+    top = float32(-math.inf)
+    for s in range(tid, S, THREADS):
+        e = float32(-math.inf)
+        if _visible(k_pos[g, s], q_pos, window):
+            e = float32(0)
+            for d in range(D):
+                e += q[h, d] * float32(k[g, s, d])
+            e *= scale
+        probs[h, s] = e
+        top = max(top, e)
+    inv = _softmax(probs, h, S, part, tid, top)
     for d in range(tid, D, THREADS):
         acc = float32(0)
         for s in range(S):
             acc += probs[h, s] * float32(v[g, s, d])
         out[h, d] = acc * inv
-    if score.shape[1] > 0:
-        for s in range(tid, S, THREADS):
-            cuda.atomic.add(score, (g, s), probs[h, s] * inv)
+    _add_score(score, probs, g, h, S, tid, inv)
+
+
+# -- the quantized KV cache (kernels.kv_quant: its layout and math) ------------------------------
+
+@cuda.jit(device=True)
+def _key(kc, ks, n, j, i, d, bits):
+    """Channel d of slot i of row n's quantized block j: code * scale + zero, in float32,
+    rounded as kv_quant rounds it (kc [N, C/B, D, W] codes in planes, ks [N, C/B, 2, D])."""
+    W = kc.shape[3]
+    c = (kc[n, j, d, i % W] >> (i // W * bits)) & ((1 << bits) - 1)
+    return _add_rn(_mul_rn(float32(c), float32(ks[n, j, 0, d])), float32(ks[n, j, 1, d]))
+
+
+@cuda.jit(device=True)
+def _value(vc, vs, n, s, d, bits):
+    """Channel d of slot s of row n's quantized values: code * scale + zero of its channel
+    group (vc [N, C, W] codes in planes, vs [N, C, 2, D/Gv])."""
+    W = vc.shape[2]
+    g = d // (W * 8 // bits // vs.shape[3])
+    c = (vc[n, s, d % W] >> (d // W * bits)) & ((1 << bits) - 1)
+    return _add_rn(_mul_rn(float32(c), float32(vs[n, s, 0, g])), float32(vs[n, s, 1, g]))
+
+
+# (the store and dequantize kernels below compare with `if` rather than call min and max: Numba
+# 0.68's built-in CUDA target, deprecated for the numba-cuda package, fails to compile those
+# builtins, and a test reads these kernels' PTX, compiled by whichever target is installed)
+
+@cuda.jit(device=True)
+def _clip(x, lo, hi):
+    return lo if x < lo else hi if x > hi else x
+
+
+@cuda.jit(device=True)
+def _scale_zero(x, sz, top):
+    """kv_quant.quantize's scale (max - min) / top and zero (min) of the group x (float16, any
+    stride) into sz [2] (float16); returns them as stored, in float32."""
+    mn, mx = float32(math.inf), float32(-math.inf)
+    for i in range(x.shape[0]):
+        xi = float32(x[i])
+        if xi < mn:
+            mn = xi
+        if xi > mx:
+            mx = xi
+    sz[0] = (mx - mn) / top
+    sz[1] = mn
+    return float32(sz[0]), float32(sz[1])
+
+
+@cuda.jit(device=True)
+def _step(x, s, z):
+    """kv_quant's rounding of x to a step of scale s from zero z: floor((x - z) / s + 1/2)."""
+    return int(math.floor((x - z) / s + float32(0.5)))
+
+
+@cuda.jit(device=True)
+def _code(x, s, z, top):
+    """kv_quant.quantize's code of x (float16): _step clipped to [0, top], 0 where s is 0."""
+    if s <= 0:
+        return 0
+    return _clip(_step(float32(x), s, z), 0, top)
+
+
+@cuda.jit(device=True)
+def _opened(c, s, z, half):
+    """A code as opening its block wrote it into the pool: code * scale + zero as float16
+    (half: a float16 scratch [1] that rounds it), in float32."""
+    half[0] = _add_rn(_mul_rn(float32(c), s), z)
+    return float32(half[0])
+
+
+@cuda.jit(device=True)
+def _requantize(x, old, sz, top, out):
+    """kv_quant.requantize of one group: its values x (float16, any stride), the codes old it
+    had (unpacked) on the grid sz [2] (float16 scale, zero; scale 0: none) -> its codes into
+    out (unpacked), its grid into sz. Where a value still reads as its code opened it and every
+    other value's step on the grid is a code, the grid stays, those values keep their codes and
+    the others take their steps; else the group is quantized afresh (kv_quant.quantize)."""
+    half = cuda.local.array(1, types.float16)
+    s, z = float32(sz[0]), float32(sz[1])
+    stay, kept = s > 0, False
+    if stay:
+        for i in range(x.shape[0]):
+            xi = float32(x[i])
+            if xi == _opened(old[i], s, z, half):
+                kept = True
+            else:
+                u = _step(xi, s, z)
+                if u < 0 or u > top:
+                    stay = False
+    if stay and kept:
+        for i in range(x.shape[0]):
+            xi = float32(x[i])
+            out[i] = old[i] if xi == _opened(old[i], s, z, half) else _step(xi, s, z)
+        return
+    s, z = _scale_zero(x, sz, float32(top))
+    for i in range(x.shape[0]):
+        out[i] = _code(x[i], s, z, top)
+
+
+@cuda.jit(device=True)
+def _unpack(row, bits, codes):
+    """A row of codes in planes (kv_quant.pack: byte w holds values w, w + W, ...) -> codes."""
+    W = row.shape[0]
+    for w in range(W):
+        for p in range(8 // bits):
+            codes[w + p * W] = (row[w] >> (p * bits)) & ((1 << bits) - 1)
+
+
+@cuda.jit(device=True)
+def _pack(codes, bits, row):
+    W = row.shape[0]
+    for w in range(W):
+        byte = 0
+        for p in range(8 // bits):
+            byte |= codes[w + p * W] << (p * bits)
+        row[w] = byte
+
+
+@cuda.jit(device=True)
+def _seal(kc, ks, vc, vs, fk, fv, n, e, j, bits, tid):
+    """kv_quant.seal of row n's pool entry e, which holds block j, by the threads of a block:
+    the keys per channel (a thread a channel: its B codes are one row of bytes), the values per
+    slot and channel group (a thread a slot: its groups share bytes). Freeing the entry is the
+    caller's."""
+    B, D = fk.shape[2], fk.shape[3]
+    top = (1 << bits) - 1
+    Gv = D // vs.shape[3]
+    old = cuda.local.array(MAX_CODES, uint8)     # a row's codes, unpacked: as sealed before,
+    new = cuda.local.array(MAX_CODES, uint8)     # and as sealed now
+    for d in range(tid, D, THREADS):
+        _unpack(kc[n, j, d], bits, old)
+        _requantize(fk[n, e, :, d], old, ks[n, j, :, d], top, new)
+        _pack(new, bits, kc[n, j, d])
+    for i in range(tid, B, THREADS):
+        s = j * B + i
+        _unpack(vc[n, s], bits, old)
+        for g in range(vs.shape[3]):
+            _requantize(fv[n, e, i, g * Gv:(g + 1) * Gv], old[g * Gv:(g + 1) * Gv], vs[n, s, :, g],
+                        top, new[g * Gv:(g + 1) * Gv])
+        _pack(new, bits, vc[n, s])
+    cuda.syncthreads()           # every code written before the entry takes another block
+
+
+@cuda.jit(device=True)
+def _free_entry(owner, stamp, pin, n):
+    """kv_quant._open's choice of a pool entry for a quantized block of row n: the first free
+    one, else the least recently written one past the pinned blocks (its block to be sealed)."""
+    P = owner.shape[1]
+    for i in range(P):
+        if owner[n, i] < 0:
+            return i
+    e, oldest = 0, _NEVER        # (as np.argmin over the stamps, int64's largest where not eligible)
+    for i in range(P):
+        if owner[n, i] >= pin and stamp[n, i] < oldest:
+            e, oldest = i, stamp[n, i]
+    return e
+
+
+@cuda.jit
+def store_kv_q(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v):
+    """kv_quant.store_kv on the device, its bookkeeping included (no step leaves the device):
+    k, v float32 [T, N, D] -> row n's slots slots[n] ([N, T]) of a quantized cache (kc..stamp:
+    a kv_quant.QuantKV's arrays, pin its pinned blocks). One block per row, walking its tokens
+    in order: thread 0 finds the slot's block in the pool, or picks the entry to open it in;
+    all threads seal the block that entry held, dequantize the slot's block into it and write
+    the row (float16, clamped to the finite range); thread 0 updates where, owner and stamp."""
+    n, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    T, D = k.shape[0], k.shape[2]
+    P, B = fk.shape[1], fk.shape[2]
+    bits = vc.shape[2] * 8 // D
+    plan = cuda.shared.array(3, int64)       # the entry, the block to seal there (-1: none),
+    for t in range(T):                       # whether to open the slot's block
+        s = slots[n, t]
+        j = s // B
+        if tid == 0:
+            e = where[n, j]
+            plan[1], plan[2] = -1, 0
+            if e < 0:
+                e = _free_entry(owner, stamp, pin, n)
+                plan[1], plan[2] = owner[n, e], 1
+            plan[0] = e
+        cuda.syncthreads()
+        e, sealed, opening = plan[0], plan[1], plan[2]
+        if sealed >= 0:
+            _seal(kc, ks, vc, vs, fk, fv, n, e, sealed, bits, tid)
+        if opening:
+            for u in range(tid, B * D, THREADS):
+                i, d = u // D, u % D
+                fk[n, e, i, d] = _key(kc, ks, n, j, i, d, bits)
+                fv[n, e, i, d] = _value(vc, vs, n, j * B + i, d, bits)
+            cuda.syncthreads()   # the block's rows written before the new row overwrites one
+        if tid == 0:
+            if sealed >= 0:
+                where[n, sealed] = -1
+            where[n, j], owner[n, e] = e, j
+            last = stamp[n, 0]
+            for i in range(1, P):
+                if stamp[n, i] > last:
+                    last = stamp[n, i]
+            stamp[n, e] = last + 1
+        for d in range(tid, D, THREADS):
+            fk[n, e, s % B, d] = _clip(k[t, n, d], -_TOP16, _TOP16)
+            fv[n, e, s % B, d] = _clip(v[t, n, d], -_TOP16, _TOP16)
+        cuda.syncthreads()       # the row written before a later token's seal reads the entry
+
+
+@cuda.jit
+def dequantize_kv(kc, ks, vc, vs, fk, fv, where, k_out, v_out):
+    """kv_quant.dequantize: slots [0, S) of every row of a quantized cache (a QuantKV's first
+    arrays) as float32 k_out, v_out [N, S, D]; one thread per element."""
+    x = cuda.grid(1)
+    N, S, D = k_out.shape
+    if x < N * S * D:
+        n, s, d = x // (S * D), x // D % S, x % D
+        B = fk.shape[2]
+        j, i = s // B, s % B
+        e = where[n, j]
+        if e >= 0:
+            k_out[n, s, d] = float32(fk[n, e, i, d])
+            v_out[n, s, d] = float32(fv[n, e, i, d])
+        else:
+            bits = vc.shape[2] * 8 // D
+            k_out[n, s, d] = _key(kc, ks, n, j, i, d, bits)
+            v_out[n, s, d] = _value(vc, vs, n, s, d, bits)
+
+
+@cuda.jit
+def attention_decode_q(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, window, score,
+                       probs, out):
+    """attention_decode over a quantized cache of G rows (kc..where: a QuantKV's first arrays),
+    read in place, no float copy of it: a slot of a block in the float pool from fk, fv, one of
+    a quantized block from its codes (a key from its channels' codes, scales and zeros, a value
+    from its slot's codes and group scales)."""
+    h, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    Q, D = q.shape
+    G, S = k_pos.shape
+    B = fk.shape[2]
+    bits = vc.shape[2] * 8 // D
+    g = h // (Q // G)
+    part = cuda.shared.array(THREADS, float32)
+    top = float32(-math.inf)
+    for s in range(tid, S, THREADS):
+        e = float32(-math.inf)
+        if _visible(k_pos[g, s], q_pos, window):
+            j, i = s // B, s % B
+            entry = where[g, j]
+            e = float32(0)
+            if entry >= 0:
+                for d in range(D):
+                    e += q[h, d] * float32(fk[g, entry, i, d])
+            else:
+                for d in range(D):
+                    e += q[h, d] * _key(kc, ks, g, j, i, d, bits)
+            e *= scale
+        probs[h, s] = e
+        top = max(top, e)
+    inv = _softmax(probs, h, S, part, tid, top)
+    for d in range(tid, D, THREADS):
+        acc = float32(0)
+        for s in range(S):
+            p = probs[h, s]
+            if p > 0:            # (a hidden slot's codes are not read)
+                entry = where[g, s // B]
+                if entry >= 0:
+                    acc += p * float32(fv[g, entry, s % B, d])
+                else:
+                    acc += p * _value(vc, vs, g, s, d, bits)
+        out[h, d] = acc * inv
+    _add_score(score, probs, g, h, S, tid, inv)
 
 
 def _blocks(n: int, per: int) -> int:
@@ -243,6 +556,24 @@ def launch_attention_decode(q, k, v, q_pos: int, k_pos, scale: float, window: in
                             probs, out) -> None:
     attention_decode[q.shape[0], THREADS](q, k, v, q_pos, k_pos, np.float32(scale), window,
                                           score, probs, out)
+
+
+def launch_store_kv_q(store: kv_quant.QuantKV, slots, k, v) -> None:
+    """kv_quant.store_kv of k, v [T, N, D] at slots [N, T] into the store's N rows."""
+    if max(store.block, store.head_dim) > MAX_CODES:
+        raise ValueError(f"a quantized cache's block and head dim must be at most {MAX_CODES}")
+    store_kv_q[slots.shape[0], THREADS](*store[:-1], store.pin, slots, k, v)
+
+
+def launch_dequantize_kv(store: kv_quant.QuantKV, k_out, v_out) -> None:
+    N, S, D = k_out.shape
+    dequantize_kv[_blocks(N * S * D, THREADS), THREADS](*store[:7], k_out, v_out)
+
+
+def launch_attention_decode_q(q, store: kv_quant.QuantKV, q_pos: int, k_pos, scale: float,
+                              window: int, score, probs, out) -> None:
+    attention_decode_q[q.shape[0], THREADS](q, *store[:7], q_pos, k_pos, np.float32(scale),
+                                            window, score, probs, out)
 
 
 @cuda.jit
@@ -290,7 +621,7 @@ class CudaBackend(reference.ReferenceBackend):
 
     name = "cuda"
     host_memory = False
-    quantized_kv = False     # its kernels read float16 and float32 caches only, so far
+    quantized_kv = True      # float16, float32 and kv_quant caches
 
     def __init__(self):
         self.sim = bool(numba.config.ENABLE_CUDASIM)
@@ -299,7 +630,8 @@ class CudaBackend(reference.ReferenceBackend):
 
             self.torch = torch
             self._types = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
-                           np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+                           np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+                           np.dtype(np.uint8): torch.uint8}
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -398,20 +730,46 @@ class CudaBackend(reference.ReferenceBackend):
         return y
 
     def store_kv(self, k_buf, v_buf, slots, k, v):
-        launch_store_kv(k_buf, v_buf, self.dev(slots, np.int64), self.dev(k), self.dev(v))
+        slots, k, v = self.dev(slots, np.int64), self.dev(k), self.dev(v)
+        if isinstance(k_buf, kv_quant.QuantKV):
+            launch_store_kv_q(k_buf, slots, k, v)
+        else:
+            launch_store_kv(k_buf, v_buf, slots, k, v)
+
+    def _dequantized(self, store: kv_quant.QuantKV, n: int):
+        """Slots [0, n) of a quantized cache as float32 device arrays k, v [N, n, D]."""
+        N, D = store.where.shape[0], store.head_dim
+        k, v = self.empty((N, n, D)), self.empty((N, n, D))
+        launch_dequantize_kv(store, k, v)
+        return k, v
+
+    def read_kv(self, k_buf, v_buf, n):
+        if isinstance(k_buf, kv_quant.QuantKV):
+            return tuple(self.to_numpy(a) for a in self._dequantized(k_buf, n))
+        return super().read_kv(k_buf, v_buf, n)
 
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None):
         """One decode attention per query (a prompt's queries one after another: their own and
-        later tokens' slots are hidden by the causal mask)."""
+        later tokens' slots are hidden by the causal mask). A quantized cache (k a QuantKV) is
+        read in place for one query; for a prompt's, its slots are dequantized once into
+        float32 buffers that the float kernel reads."""
         q = self.dev(q)
         T, Q, D = q.shape
-        G = k.shape[0]
-        k_pos = self.dev(np.broadcast_to(k_pos, (G, k_pos.shape[-1])), np.int64)
+        quantized = isinstance(k, kv_quant.QuantKV)
+        G, S = (k.where if quantized else k).shape[0], k_pos.shape[-1]
+        if quantized and T > 1:
+            k, v = self._dequantized(k, S)
+            quantized = False
+        k_pos = self.dev(np.broadcast_to(k_pos, (G, S)), np.int64)
         sc = self.zeros((G, 0)) if score is None else self.dev(score)
-        probs, out = self.empty((Q, k_pos.shape[1])), self.empty((T, Q, D))
+        probs, out = self.empty((Q, S)), self.empty((T, Q, D))
         for t in range(T):
-            launch_attention_decode(q[t], k, v, int(q_pos[t]), k_pos, scale, window or 0, sc,
-                                    probs, out[t])
+            if quantized:
+                launch_attention_decode_q(q[t], k, int(q_pos[t]), k_pos, scale, window or 0, sc,
+                                          probs, out[t])
+            else:
+                launch_attention_decode(q[t], k, v, int(q_pos[t]), k_pos, scale, window or 0, sc,
+                                        probs, out[t])
         if score is not None and sc is not score:
             score[...] = self.to_numpy(sc)          # a cache that keeps its scores on the host
         return out

@@ -1,12 +1,14 @@
 """The CUDA kernels against the NumPy reference, on fresh random inputs of tiny shapes: in Numba's
 CUDA simulator where there is no GPU (CI), on the GPU where there is one (see conftest)."""
 
+import json
+
 import numpy as np
 import pytest
 from numba import cuda
 
-from helpers import random_quant, rel_err
-from tinyrt.kernels import gpu, quant
+from helpers import random_quant, random_weights, rel_err, tiny_config
+from tinyrt.kernels import gpu, kv_quant, quant
 from tinyrt.kernels import reference as ref
 
 rng = np.random.default_rng()
@@ -96,6 +98,136 @@ def test_attention_decode(ratio, window, dtype, h2o):
         assert rel_err(out[4], want_score) < 1e-6
 
 
+def _fresh_rng():
+    """A generator of fresh random inputs whose seed a failure prints (pytest shows stdout)."""
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    print("seed", seed)
+    return np.random.default_rng(seed)
+
+
+def _quant_store(rows, slots, D, bits, block, residual, pin):
+    return kv_quant.allocate((rows,), slots, D, bits, block,
+                             kv_quant.pool_entries(block, residual, pin), pin, np.zeros)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("order", ["in order", "scattered"])
+def test_store_kv_quantized(bits, order):
+    """The store kernel over a quantized cache against kv_quant.store_kv, a few tokens at a
+    time through a small pool (a pinned first block, the least recently written entry sealed
+    when none is free): every array of the QuantKV equal bit for bit (codes, float16 scales
+    and zeros, pool, block table, stamps), and read_kv equal to kv_quant.dequantize. Slots in
+    order around the cache and past it (dense, the sink ring) or anywhere (h2o: blocks sealed
+    again, some groups keeping their grid as kv_quant.requantize says); some tokens constant
+    (scale 0), some of a tiny range (float16 scales below its normal range), some past
+    float16's range (clamped)."""
+    rng = _fresh_rng()
+    N, D, B = 2, 16, 4
+    C = 8 * B
+    want, got = (_quant_store(N, C, D, bits, B, 2 * B, pin=1) for _ in range(2))
+    be = gpu.CudaBackend()
+    at = 0
+    for step in range(12):
+        T = int(rng.integers(1, 5) if order == "scattered" else rng.integers(3, 6))
+        if order == "in order":                 # (at least 36 tokens: past the 32 slots)
+            slots = np.tile((np.arange(T) + at) % C, (N, 1))
+            at += T
+        else:
+            slots = np.stack([rng.choice(C, T, replace=False) for _ in range(N)])
+        k, v = (rng.standard_normal((T, N, D)).astype(np.float32) * 4 for _ in range(2))
+        k[:, :, 3] = 1.25                       # a key channel constant in every block
+        v[rng.random((T, N)) < 0.2] = 0.5       # whole value rows constant
+        k[rng.random((T, N)) < 0.2] *= 1e-6     # float16 scales below its normal range
+        big = rng.random((T, N)) < 0.1          # clamped to -65504 (negative: a group's top
+        k[big], v[big, :4] = -1e6, -1e6         # code times a scale rounded up stays finite)
+        kv_quant.store_kv(want, slots, k, v)
+        be.store_kv(got, None, slots, k, v)
+    for name in kv_quant.QuantKV._fields[:-1]:
+        assert _same_bits(getattr(got, name), getattr(want, name)), name
+    assert (want.where[:, 0] >= 0).all()                   # the pinned block stays in the pool
+    assert ((want.where < 0) & (want.ks[:, :, 0] > 0).any(axis=-1)).any()   # blocks sealed
+    k, v = be.read_kv(got, None, C - 3)
+    for a, b in zip((k, v), kv_quant.dequantize(want, C - 3)):
+        assert _same_bits(a, b)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("T, window, h2o", [(1, 0, True), (1, 20, False), (2, 0, True)])
+def test_attention_over_quantized_cache(bits, T, window, h2o):
+    """Attention over a quantized cache (blocks in the float pool and sealed ones) against the
+    reference: one query reads the codes in place (attention_decode_q), a prompt's queries a
+    float copy of the slots. Positions held in any order per KV head, some slots free (-1),
+    some after the queries (hidden); a window; H2O's scores."""
+    rng = _fresh_rng()
+    G, ratio, D, B, C, S = 2, 2, 16, 4, 64, 57
+    store = _quant_store(G, C, D, bits, B, 2 * B, pin=1)
+    slots = np.tile(np.arange(S), (G, 1))
+    k, v = (rng.standard_normal((S, G, D)).astype(np.float32) for _ in range(2))
+    kv_quant.store_kv(store, slots, k, v)
+    blocks = store.where[:, :-(-S // B)]
+    assert (blocks >= 0).any() and (blocks < 0).any()
+    q_pos = np.arange(100, 100 + T)
+    k_pos = np.stack([rng.permutation(S) + q_pos[-1] - S + 5 for _ in range(G)])   # 4 after q_pos
+    k_pos[rng.random(k_pos.shape) < 0.1] = -1
+    q = rng.standard_normal((T, G * ratio, D)).astype(np.float32)
+    want_score = rng.random((G, C)).astype(np.float32)
+    got_score = want_score.copy()
+    want = ref.attention(q, store, None, q_pos, k_pos, 0.25, window or None,
+                         want_score if h2o else None)
+    be = gpu.CudaBackend()
+    got = be.attention(q, store, None, q_pos, k_pos, 0.25, window or None,
+                       got_score if h2o else None)
+    assert rel_err(be.to_numpy(got), want) < 1e-5
+    assert rel_err(got_score, want_score) < 1e-6
+
+
+def test_quantized_cache_kernels_round_without_fma():
+    """On the GPU, a float32 multiply and add contract into one fused multiply-add unless each is
+    rounded explicitly: the store and dequantize kernels (code * scale + zero, as kv_quant rounds
+    it twice) compiled to PTX for a Hopper GPU hold no fma, and do hold mul.rn and add.rn.
+    Where no CUDA compiler (NVVM) is installed, nothing to check."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    code = r"""
+import re, types
+from numba import cuda
+from numba.core import types as t
+import numba.cuda.dispatcher as dispatcher
+try:
+    from numba.cuda.cudadrv import nvvm
+    nvvm.NVVM()
+except Exception as e:
+    print('no nvvm:', e); raise SystemExit
+# device functions compile for the current device's compute capability: no GPU here
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+from tinyrt.kernels import gpu
+a = lambda dt, nd: t.Array(dt, nd, 'C')
+store = (a(t.uint8, 4), a(t.float16, 4), a(t.uint8, 3), a(t.float16, 4), a(t.float16, 4),
+         a(t.float16, 4), a(t.int32, 2))
+sigs = {'store_kv_q': store + (a(t.int32, 2), a(t.int64, 2), t.int64, a(t.int64, 2),
+                               a(t.float32, 3), a(t.float32, 3)),
+        'dequantize_kv': store + (a(t.float32, 3), a(t.float32, 3))}
+for name, sig in sigs.items():
+    ptx, _ = cuda.compile_ptx(getattr(gpu, name).py_func, sig, cc=(9, 0))
+    print(name, *(len(re.findall(op, ptx)) for op in (r'\bfma\.', r'\bmul\.rn\.f32', r'\badd\.rn\.f32')))
+"""
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if run.stdout.startswith("no nvvm"):
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = {name: [int(n) for n in rest] for name, *rest in map(str.split, run.stdout.splitlines())}
+    for name in ("store_kv_q", "dequantize_kv"):
+        fma, mul, add = counts[name]
+        assert fma == 0 and mul > 0 and add > 0, (name, counts[name])
+
+
 @pytest.mark.parametrize("policy, kind", [("dense", "float"), ("sink", "4-bit"), ("h2o", "4-bit")])
 def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind):
     """The whole decoder on the CUDA backend (a prompt, then decode steps) gives the reference
@@ -126,6 +258,54 @@ def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind):
         a, b = (m.forward([t], cache) for m, cache in zip((fast, slow), caches))
         assert rel_err(fast.backend.to_numpy(a), b) < 3e-3
     assert caches[0].next_pos == len(ids) and np.array_equal(caches[0].slot_pos, caches[1].slot_pos)
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """A model small enough for Numba's CUDA simulator (every CUDA thread a Python thread): one
+    layer, 2 heads of 8 channels, a vocabulary of 16. Float16 weights: the CUDA backend holds
+    them as they are and the reference as float32, so that both compute the same K and V (but
+    for the order of float sums) and quantize them alike."""
+    from safetensors.numpy import save_file
+
+    cfg = tiny_config(hidden_size=16, intermediate_size=16, num_attention_heads=2,
+                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=16)
+    d = tmp_path_factory.mktemp("kvq_cuda")
+    save_file(random_weights(cfg, 9, np.float16), str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("policy, prompt", [("dense", [12]), ("sink", [10, 4]), ("h2o", [10, 4])])
+@pytest.mark.parametrize("kv_type", ["q4", "q2"])
+def test_cuda_runs_the_quantized_cache_as_the_reference(micro, policy, prompt, kv_type):
+    """The CUDA backend (in Numba's simulator where there is no GPU) over a quantized cache of
+    blocks of 4, no residual but the block being written, 2 sinks (a pinned block): a prompt in
+    chunks (blocks sealed as it goes; in a cache of 12, sink and h2o evict and sink re-rotates
+    its sinks through read_kv and store_kv), then a decode step that reads sealed blocks' codes
+    in place. Step by step, the reference backend's logits (within float sums' order) and greedy
+    token, the same tokens kept and the same blocks sealed."""
+    from tinyrt.kernels import get_backend
+    from tinyrt.kv_cache import CacheOptions, make_cache
+    from tinyrt.models import load_model
+
+    rng = np.random.default_rng(11)
+    opts = CacheOptions(policy, 24 if policy == "dense" else 12, kv_type, sinks=2, kv_group=4,
+                        kv_residual=0)
+    models = [load_model(micro, get_backend(dev)) for dev in ("cuda", "reference")]
+    assert models[0].backend.name == "cuda"
+    caches = [make_cache(opts, m) for m in models]
+    ids = rng.integers(0, 16, sum(prompt) + 1)
+    for chunk in [*np.split(ids[:sum(prompt)], np.cumsum(prompt)[:-1]), *ids[sum(prompt):, None]]:
+        got, want = (m.forward(chunk, c) for m, c in zip(models, caches))
+        got = models[0].backend.to_numpy(got)
+        assert rel_err(got, want) < 1e-4
+        assert np.array_equal(got.argmax(-1), want.argmax(-1))
+    a, b = (c.k for c in caches)
+    assert np.array_equal(caches[0].slot_pos, caches[1].slot_pos)
+    for name in ("where", "owner", "stamp"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert (a.where[..., 1:3] < 0).any(axis=-1).all()     # a sealed block, read as codes
 
 
 def test_cuda_asked_for_and_absent():

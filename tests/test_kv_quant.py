@@ -207,11 +207,11 @@ def test_options_and_sizes(tiny):
         tinyrt.LLM(tiny, device="cpu", kv_type="q2", kv_group=2)
     with pytest.raises(TinyrtError, match="head dim of 24"):
         CacheOptions(kv_type="q4", kv_group=16).check(KVLayout(2, 2, 24, None))
-    class Float16Only(ReferenceBackend):
-        name, quantized_kv = "cuda", False
+    class FloatOnly(ReferenceBackend):
+        name, quantized_kv = "float-only", False
 
-    with pytest.raises(TinyrtError, match="cuda kernels read f16"):
-        KVCache(KVLayout.of(llm.model), 100, Float16Only(), CacheOptions(kv_type="q8"))
+    with pytest.raises(TinyrtError, match="float-only kernels read f16"):
+        KVCache(KVLayout.of(llm.model), 100, FloatOnly(), CacheOptions(kv_type="q8"))
     cache = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_size=100).cache
     assert cache.bytes_per_token == round(2 * 2 * kv_quant.token_bytes(4, 64, 32))
     assert cache.k.where.shape[-1] * 64 >= 100
