@@ -8,7 +8,7 @@ import pytest
 import tinyrt
 from helpers import tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, TinyrtError
-from tinyrt.kernels import cpu, cpu_kv, kv_quant, reference as ref
+from tinyrt.kernels import cpu, cpu_kv, get_backend, kv_quant, reference as ref
 from tinyrt.kernels.reference import ReferenceBackend
 from tinyrt.kv_cache import CacheOptions, KVCache, KVLayout
 
@@ -215,3 +215,66 @@ def test_options_and_sizes(tiny):
     cache = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_size=100).cache
     assert cache.bytes_per_token == round(2 * 2 * kv_quant.token_bytes(4, 64, 32))
     assert cache.k.where.shape[-1] * 64 >= 100
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_requantizing_keeps_the_grid_of_a_group_whose_new_values_fit(bits):
+    """kv_quant.requantize: a group holding values as its codes gave them keeps its grid and
+    those codes where its new values fit the grid (coded on it); a group with a value off the
+    grid, with none as it was, or with scale 0 is quantized afresh."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 32)).astype(np.float32) * 3
+    x[:, 4], x[:, 5] = x.min(axis=1) - 1, x.max(axis=1) + 1     # the extremes, replaced below
+    x[5] = 2.0                                                   # scale 0
+    codes, scale, zero = kv_quant.quantize(x, bits)
+    s, z = scale.astype(np.float32)[:, None], zero.astype(np.float32)[:, None]
+    was = (codes * s + z).astype(np.float16)
+    new = was.astype(np.float32)
+    new[:, 4:7] = (x[:, :3] + x[:, 3:6]) / 2                     # within the range of each group
+    new[1, 9] = x[1].max() + 4 * s[1, 0]                         # off the grid
+    new[2] = x[2] * 0.9                                          # none as it was
+    new[5, 4:7] = 2.5
+    got = kv_quant.requantize(new, was, codes, scale, zero, bits)
+    fresh = kv_quant.quantize(new, bits)
+    for g in range(6):
+        if g in (0, 3, 4):
+            want_codes = codes[g].copy()
+            want_codes[4:7] = np.floor((new[g, 4:7] - z[g]) / s[g] + np.float32(0.5))
+            assert np.array_equal(got[0][g], want_codes)
+            assert got[1][g] == scale[g] and got[2][g] == zero[g]
+        else:
+            assert np.array_equal(got[0][g], fresh[0][g])
+            assert got[1][g] == fresh[1][g] and got[2][g] == fresh[2][g]
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cuda"])
+def test_a_block_sealed_again_keeps_its_other_tokens_codes(bits, backend):
+    """A slot of a sealed block written again (h2o's eviction) with keys inside each channel's
+    range: each time the block is sealed again, its other tokens read back exactly as after the
+    first sealing, and the new key within half a step of what was written."""
+    rng = np.random.default_rng(12)
+    B, D, N = 16, 32, 2
+    be = get_backend(backend)
+    store = kv_quant.allocate((N,), 2 * B, D, bits, B, kv_quant.pool_entries(B, 0, 0), 0,
+                              be.zeros)                          # a pool of one block
+    k, v = (rng.standard_normal((2 * B, N, D)).astype(np.float32) for _ in range(2))
+    be.store_kv(store, None, np.tile(np.arange(2 * B), (N, 1)), k, v)
+    first = be.read_kv(store, None, B)                           # block 0, sealed once
+    rewritten = set()
+    for step in range(12):
+        s = int(rng.integers(B))
+        a, b = rng.choice(B, 2, replace=False)
+        kn = (k[a] + k[b]) / 2                                   # inside every key channel's range
+        vn = rng.standard_normal((N, D)).astype(np.float32)
+        be.store_kv(store, None, np.full((N, 1), s), kn[None], vn[None])
+        be.store_kv(store, None, np.full((N, 1), B + step % B), k[B:B + 1], v[B:B + 1])
+        rewritten.add(s)
+        k[s], v[s] = kn, vn
+        got = [be.to_numpy(a) for a in be.read_kv(store, None, B)]
+        keep = [i for i in range(B) if i not in rewritten]
+        for f, g in zip(first, got):
+            assert np.array_equal(be.to_numpy(f)[:, keep], g[:, keep])
+        ks = be.to_numpy(store.ks)[:, 0, 0].astype(np.float32)    # [N, D] the kept grids
+        # half a step, and float16's rounding of the written key and of what is read back
+        assert np.all(np.abs(got[0][:, s] - kn) <= ks * 0.5 + np.abs(kn) * 2.0 ** -10 + 1e-6)

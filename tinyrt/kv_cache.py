@@ -212,7 +212,7 @@ class KVCache:
         options.check(layout)
         self.quantized = bool(options.bits)
         if self.quantized and not backend.quantized_kv:
-            raise TinyrtError(f"--kv-type {options.kv_type} runs on the cpu and reference devices; "
+            raise TinyrtError(f"--kv-type {options.kv_type} needs kernels that read KV codes; "
                               f"the {backend.name} kernels read f16 and f32 caches")
         if self.quantized:       # whole blocks of slots
             B = options.group
