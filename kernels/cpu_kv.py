@@ -50,7 +50,7 @@ def _requantize_group(x, bits, sz, row, at, cs):
             v = simd.as_float(x[i])
             mn, mx = min(mn, v), max(mx, v)
         sz[0] = simd.to_cache((mx - mn) / np.float32(top), sz)
-        sz[1] = simd.to_cache(mn, sz)
+        sz[1] = simd.to_cache(mn + np.float32(0), sz)      # kv_quant.quantize's zero: +0.0
         s, z = simd.as_float(sz[0]), simd.as_float(sz[1])
         for i in range(n):
             cs[i] = code(simd.as_float(x[i]), s, z, top)

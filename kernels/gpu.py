@@ -293,7 +293,7 @@ def _scale_zero(x, sz, top):
         if xi > mx:
             mx = xi
     sz[0] = (mx - mn) / top
-    sz[1] = mn
+    sz[1] = mn + float32(0)          # kv_quant.quantize's zero: -0.0 and +0.0 give +0.0
     return float32(sz[0]), float32(sz[1])
 
 
@@ -315,7 +315,7 @@ def _code(x, s, z, top):
 def _opened(c, s, z, half):
     """A code as opening its block wrote it into the pool: code * scale + zero as float16
     (half: a float16 scratch [1] that rounds it), in float32."""
-    half[0] = _add_rn(_mul_rn(float32(c), s), z)
+    half[0] = _clip(_add_rn(_mul_rn(float32(c), s), z), -_TOP16, _TOP16)
     return float32(half[0])
 
 
@@ -334,9 +334,9 @@ def _requantize(x, old, sz, top, out):
             xi = float32(x[i])
             if xi == _opened(old[i], s, z, half):
                 kept = True
-            else:
-                u = _step(xi, s, z)
-                if u < 0 or u > top:
+            else:        # a float comparison first: a NaN's step is no code
+                u = math.floor((xi - z) / s + float32(0.5))
+                if not (u >= 0 and u <= top):
                     stay = False
     if stay and kept:
         for i in range(x.shape[0]):
@@ -437,8 +437,8 @@ def store_kv_q(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v):
         if opening:
             for u in range(tid, B * D, THREADS):
                 i, d = u // D, u % D
-                fk[n, e, i, d] = _key(kc, ks, n, j, i, d, bits)
-                fv[n, e, i, d] = _value(vc, vs, n, j * B + i, d, bits)
+                fk[n, e, i, d] = _clip(_key(kc, ks, n, j, i, d, bits), -_TOP16, _TOP16)
+                fv[n, e, i, d] = _clip(_value(vc, vs, n, j * B + i, d, bits), -_TOP16, _TOP16)
             cuda.syncthreads()   # the block's rows written before the new row overwrites one
         if tid == 0:
             if sealed >= 0:

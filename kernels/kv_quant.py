@@ -156,12 +156,19 @@ def quantize(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     x = x.astype(np.float32)
     mn, mx = x.min(axis=-1), x.max(axis=-1)
     scale = ((mx - mn) / np.float32(2 ** bits - 1)).astype(np.float16)
-    zero = mn.astype(np.float16)
+    zero = (mn + np.float32(0)).astype(np.float16)     # + 0: a zero of -0.0 and +0.0 is +0.0
     s = scale.astype(np.float32)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         c = np.floor((x - zero.astype(np.float32)[..., None]) / s + np.float32(0.5))
     c = np.where(s > 0, c, 0)
     return np.clip(c, 0, 2 ** bits - 1).astype(np.uint8), scale, zero
+
+
+def to_pool(x: np.ndarray) -> np.ndarray:
+    """float32 values as the float16 pool holds them: rounded to nearest, clamped to the finite
+    range (a group's top code can read back past the largest float16)."""
+    top = np.finfo(np.float16).max
+    return np.clip(x, -top, top).astype(np.float16)
 
 
 def requantize(x: np.ndarray, was: np.ndarray, codes: np.ndarray, scale: np.ndarray,
@@ -218,13 +225,13 @@ def _values(store: QuantKV, row: int, s0: int, s1: int) -> np.ndarray:
 def seal(store: QuantKV, row: int, entry: int) -> None:
     """Quantize the block pool entry `entry` of `row` holds into its codes; free the entry."""
     j, B, bits = store.owner[row, entry], store.block, store.bits
-    was = _key_block(store, row, j).astype(np.float16)           # [B, D]: as opened
+    was = to_pool(_key_block(store, row, j))                     # [B, D]: as opened
     c, scale, zero = requantize(store.fk[row, entry].T, was.T, unpack(store.kc[row, j], bits),
                                 *store.ks[row, j], bits)         # per channel: [D, B]
     store.kc[row, j] = pack(c, bits)
     store.ks[row, j, 0], store.ks[row, j, 1] = scale, zero
     slots, Gv = slice(j * B, (j + 1) * B), store.value_channels
-    was = _values(store, row, j * B, (j + 1) * B).astype(np.float16)
+    was = to_pool(_values(store, row, j * B, (j + 1) * B))
     groups = (B, -1, Gv)                                         # per slot and channel group
     c, scale, zero = requantize(store.fv[row, entry].reshape(groups), was.reshape(groups),
                                 unpack(store.vc[row, slots], bits).reshape(groups),
@@ -249,8 +256,8 @@ def _open(store: QuantKV, row: int, j: int) -> int:
         e = int(stamps.argmin())
         seal(store, row, e)
     B = store.block
-    store.fk[row, e] = _key_block(store, row, j)
-    store.fv[row, e] = _values(store, row, j * B, (j + 1) * B)
+    store.fk[row, e] = to_pool(_key_block(store, row, j))
+    store.fv[row, e] = to_pool(_values(store, row, j * B, (j + 1) * B))
     store.where[row, j], store.owner[row, e] = e, j
     return e
 
@@ -258,15 +265,13 @@ def _open(store: QuantKV, row: int, j: int) -> int:
 def store_kv(store: QuantKV, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
     """Write k, v [T, N, D] (float32) at row n's slots slots[n] ([N, T]), in token order, as
     float16 into the pool (rounded to nearest, clamped to the finite range)."""
-    top = np.finfo(np.float16).max
-    k, v = np.clip(k, -top, top), np.clip(v, -top, top)
     B = store.block
     for n in range(slots.shape[0]):
         for t, s in enumerate(slots[n]):
             e = _open(store, n, s // B)
             store.stamp[n, e] = store.stamp[n].max() + 1
-            store.fk[n, e, s % B] = k[t, n]
-            store.fv[n, e, s % B] = v[t, n]
+            store.fk[n, e, s % B] = to_pool(k[t, n])
+            store.fv[n, e, s % B] = to_pool(v[t, n])
 
 
 def dequantize(store: QuantKV, span: int) -> tuple[np.ndarray, np.ndarray]:
