@@ -502,7 +502,7 @@ def codes_tile(typingctx, w, r0, codes, group, acc, heads, bits, narrow):
     code(i, l) is value l of row i of `codes` (uint8 [n, W], C-contiguous, in kv_quant's planes
     of `bits`-bit values: byte l % W at bit (l // W) bits), w float32 [R, n, groups] and acc
     float32 [R, L] (L = W 8 / bits), both C-contiguous. W must be a multiple of 16 (or, if
-    `narrow`, 8: a row of 8 bytes, bits <= 4) and `group` of LANES: decode attention over a
+    `narrow`, exactly 8, with bits <= 4) and `group` of LANES: decode attention over a
     quantized cache, keys (rows: channels, values: a block's slots) and values (rows: slots,
     values: channels) alike.
 

@@ -10,7 +10,7 @@ from helpers import tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.kernels import cpu, cpu_kv, get_backend, kv_quant, reference as ref
 from tinyrt.kernels.reference import ReferenceBackend
-from tinyrt.kv_cache import CacheOptions, KVCache, KVLayout
+from tinyrt.kv_cache import POLICIES, CacheOptions, KVCache, KVLayout
 
 BITS = (8, 4, 2)
 
@@ -300,3 +300,37 @@ def test_groups_at_the_float16_limits_reopen_alike_on_every_backend(bits):
         for a, b in zip(stores[name], stores["reference"]):
             assert np.array_equal(a.view(np.uint16) if a.dtype == np.float16 else a,
                                   b.view(np.uint16) if b.dtype == np.float16 else b), name
+
+
+def make_cache_for(layout, options):
+    return POLICIES[options.kv_policy](layout, options.kv_size, ReferenceBackend(), options)
+
+
+def test_h2o_on_codes_keeps_h2o_s_tokens_and_fills_a_few_blocks_at_a_time():
+    """h2o over a quantized cache keeps the tokens h2o over a float cache keeps (the same
+    scores), never more than its size, and puts its new tokens in the holes of one block after
+    another: most new tokens go to the block the one before went to (taking their victims'
+    slots, they would go to any block)."""
+    rng = np.random.default_rng(13)
+    layout = KVLayout(2, 3, 16, np.ones(8, np.float32))
+    opts = dict(kv_policy="h2o", kv_size=40, sinks=2, recent=4)
+    caches = [make_cache_for(layout, CacheOptions(**opts)),
+              make_cache_for(layout, CacheOptions(**opts, kv_type="q4", kv_group=8))]
+    weight = rng.random((2, 3, 400)).astype(np.float32)          # attention per position
+    blocks, same = None, []
+    for step in range(400):
+        for cache in caches:
+            cache.allocate(1)
+            table = cache.slot_pos
+            cache.score += np.where(table >= 0, np.take_along_axis(
+                weight, np.maximum(table, 0), axis=-1), 0)
+        held = [np.sort(np.where(c.slot_pos >= 0, c.slot_pos, 10 ** 9), axis=-1)[..., :40]
+                for c in caches]
+        assert np.array_equal(*held)
+        assert ((caches[1].slot_pos >= 0).sum(axis=-1) <= 40).all()
+        new = caches[1].layer(0).slots, caches[1].layer(1).slots
+        block = np.concatenate(new)[:, 0] // 8
+        if step > 40:
+            same.append(block == blocks)
+        blocks = block
+    assert np.mean(same) > 0.6

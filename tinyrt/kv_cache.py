@@ -138,13 +138,15 @@ class CacheOptions:
 
     def fixed_bytes(self, config) -> int:
         """The memory a quantized cache takes whatever its size: its float pool (the residual,
-        the sinks and the block being filled, as float16 K and V, with its tables)."""
+        the sinks and the block being filled, as float16 K and V, with its tables), and h2o's
+        spare block (H2OCache)."""
         if not self.bits:
             return 0
         L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         pin = -(-self.sinks // self.group)
         entries = kv_quant.pool_entries(self.group, self.kv_residual, pin)
-        return L * G * entries * (2 * self.group * D * 2 + 12)
+        spare = self.group * self.token_bytes(config) if self.kv_policy == "h2o" else 0
+        return L * G * entries * (2 * self.group * D * 2 + 12) + spare
 
     def describe(self, config, tokens: int | None = None) -> str:
         """Its memory in words: per token, and for `tokens` (default: its size) tokens."""
@@ -485,6 +487,14 @@ class H2OCache(SinkCache):
     Tokens keep the RoPE rotation of their stream position, so the distance between a query and a
     heavy hitter is the true one; the sinks are re-rotated as SinkCache does, to sit just before
     the window they would have in a sink cache of the same size.
+
+    With KIVI's codes (kernels.kv_quant), a new token does not take its victim's slot: the
+    victim's slot becomes a hole, and the new token takes a hole of the block the last new
+    token went to, or else of the block with the most holes. One spare block of slots per row
+    keeps holes to fill, so new tokens go to a few blocks at a time, which stay in the float
+    pool while they fill: taking their victims' slots, they would be spread over every block,
+    each opened for one token and sealed again a few tokens later, and no recent token would
+    stay float.
     """
 
     policy = "h2o"
@@ -492,7 +502,12 @@ class H2OCache(SinkCache):
     def __init__(self, layout: KVLayout, capacity: int, backend,
                  options: CacheOptions | None = None):
         options = options or CacheOptions()
-        super().__init__(layout, capacity, backend, dataclasses.replace(options, slack=0))
+        # a quantized cache: capacity tokens in whole blocks of slots, and a spare block
+        B = options.group
+        spare = -(-capacity // B) * B + B - capacity if options.bits else 0
+        super().__init__(layout, capacity, backend, dataclasses.replace(options, slack=spare))
+        self.slack = 0                 # (not for rollbacks: the spare slots are holes)
+        self.block = B if options.bits else 0
         n_layers, kv_heads, recent = layout.n_layers, layout.kv_heads, options.recent
         # the recent window by default: 64 tokens, or half the slots past the sinks in a small
         # cache. The default model streaming 2048 tokens through 410 slots: 16 to 64 recent
@@ -502,8 +517,9 @@ class H2OCache(SinkCache):
         if not 1 <= self.recent <= self.window:
             raise CacheFullError(f"--recent {self.recent} must be at least 1 and at most the "
                                  f"KV cache size less the sinks ({self.window})")
-        self.slot_pos = np.full((n_layers, kv_heads, capacity), -1, dtype=np.int64)
-        self.score = np.zeros((n_layers, kv_heads, capacity), np.float32)
+        self.slot_pos = np.full((n_layers, kv_heads, capacity + spare), -1, dtype=np.int64)
+        self.score = np.zeros((n_layers, kv_heads, capacity + spare), np.float32)
+        self._filling = np.full((n_layers, kv_heads), -1, np.int64)  # the block new tokens fill
         # each layer's buffers, slot table and scores, indexed once (layer() runs per layer
         # per token)
         self._views = [(*kv, table, score) for kv, table, score
@@ -511,9 +527,9 @@ class H2OCache(SinkCache):
 
     def allocate(self, n: int) -> np.ndarray:
         self._check_chunk(n)
-        L, G, C = self.slot_pos.shape
+        L, G, S = self.slot_pos.shape
         held = self.length
-        evict = n - min(n, C - held)              # free slots [held, C) first, in order
+        evict = n - min(n, self.size - held)      # free slots [held, size) first, in order
         pos = self._positions(n)
         slots = np.empty((L, G, n), np.int64)
         slots[..., :n - evict] = np.arange(held, held + n - evict)
@@ -521,14 +537,39 @@ class H2OCache(SinkCache):
         self.score[self.score < SCORE_FLOOR] = 0
         if evict:      # the lowest scored outside the sinks and the recent window (there are
                        # at least n of those: n <= window)
-            slots[..., n - evict:] = self.backend.lowest_scored(
+            victims = self.backend.lowest_scored(
                 self.slot_pos, self.score, self.n_sink, pos[-1] - self.recent, evict)
+            if self.block:
+                np.put_along_axis(self.slot_pos, victims, -1, axis=-1)
+                victims = self._fill_holes(pos[n - evict:])
+            slots[..., n - evict:] = victims
         np.put_along_axis(self.slot_pos, slots, pos, axis=-1)
         np.put_along_axis(self.score, slots, 0, axis=-1)
-        self.length = self.span = held + n - evict
+        self.length = held + n - evict
+        self.span = S if evict and self.block else self.length
         self._slots = slots
         self._rotate_sinks()
         return pos
+
+    def _fill_holes(self, pos: np.ndarray) -> np.ndarray:
+        """Slots [L, G, len(pos)] for new tokens at positions pos, taken from the holes (slots
+        holding no position) of a quantized cache: in each row the lowest hole of the block it
+        is filling, or else of the block with the most holes (see the class)."""
+        L, G, S = self.slot_pos.shape
+        B = self.block
+        slots = np.empty((L, G, len(pos)), np.int64)
+        for t, p in enumerate(pos):
+            holes = (self.slot_pos < 0).reshape(L, G, S // B, B)
+            count = holes.sum(axis=-1)                                       # [L, G, blocks]
+            filling = np.maximum(self._filling, 0)[..., None]
+            left = np.take_along_axis(count, filling, axis=-1)[..., 0]
+            block = np.where((self._filling >= 0) & (left > 0), filling[..., 0],
+                             count.argmax(axis=-1))
+            first = np.take_along_axis(holes, block[..., None, None], axis=2)[:, :, 0].argmax(-1)
+            slots[..., t] = block * B + first
+            self._filling = block
+            np.put_along_axis(self.slot_pos, slots[..., t:t + 1], p, axis=-1)
+        return slots
 
     def layer(self, i: int) -> LayerView:
         k, v, table, score = self._views[i]
@@ -549,6 +590,7 @@ class H2OCache(SinkCache):
     def reset(self) -> None:
         super().reset()
         self.score[...] = 0
+        self._filling[...] = -1
 
 
 POLICIES = {"dense": KVCache, "sink": SinkCache, "h2o": H2OCache}
