@@ -152,7 +152,8 @@ class CacheOptions:
         """Its memory in words: per token, and for `tokens` (default: its size) tokens."""
         n, each = tokens or self.size_for(config), self.token_bytes(config)
         fixed = self.fixed_bytes(config)
-        residual = f" (and {fixed / 2**20:,.1f} MiB of float residual)" if fixed else ""
+        spare = " and a spare block" if self.kv_policy == "h2o" else ""
+        residual = f" (and {fixed / 2**20:,.1f} MiB of float residual{spare})" if fixed else ""
         return (f"{self.kv_policy} {self.kv_type}, {each / 1024:.1f} KiB per token: {n:,} tokens "
                 f"in {(n * each + fixed) / 2**20:,.0f} MiB{residual}")
 
