@@ -521,6 +521,7 @@ class H2OCache(SinkCache):
         self.slot_pos = np.full((n_layers, kv_heads, capacity + spare), -1, dtype=np.int64)
         self.score = np.zeros((n_layers, kv_heads, capacity + spare), np.float32)
         self._filling = np.full((n_layers, kv_heads), -1, np.int64)  # the block new tokens fill
+        self._holes = None             # [L, G, blocks] holes per block, once evictions began
         # each layer's buffers, slot table and scores, indexed once (layer() runs per layer
         # per token)
         self._views = [(*kv, table, score) for kv, table, score
@@ -540,10 +541,8 @@ class H2OCache(SinkCache):
                        # at least n of those: n <= window)
             victims = self.backend.lowest_scored(
                 self.slot_pos, self.score, self.n_sink, pos[-1] - self.recent, evict)
-            if self.block:
-                np.put_along_axis(self.slot_pos, victims, -1, axis=-1)
-                victims = self._fill_holes(pos[n - evict:])
-            slots[..., n - evict:] = victims
+            slots[..., n - evict:] = self._fill_holes(victims, pos[n - evict:]) if self.block \
+                else victims
         np.put_along_axis(self.slot_pos, slots, pos, axis=-1)
         np.put_along_axis(self.score, slots, 0, axis=-1)
         self.length = held + n - evict
@@ -552,24 +551,31 @@ class H2OCache(SinkCache):
         self._rotate_sinks()
         return pos
 
-    def _fill_holes(self, pos: np.ndarray) -> np.ndarray:
-        """Slots [L, G, len(pos)] for new tokens at positions pos, taken from the holes (slots
-        holding no position) of a quantized cache: in each row the lowest hole of the block it
-        is filling, or else of the block with the most holes (see the class)."""
+    def _fill_holes(self, victims: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Slots [L, G, len(pos)] for new tokens at positions pos in a quantized cache, once the
+        victims' slots [L, G, len(pos)] are holes (holding no position): in each row the lowest
+        hole of the block it is filling, or else of the block with the most holes (see the
+        class). The holes are counted per block as they come and go."""
         L, G, S = self.slot_pos.shape
         B = self.block
+        np.put_along_axis(self.slot_pos, victims, -1, axis=-1)
+        if self._holes is None:                  # the first evictions: count them all once
+            self._holes = (self.slot_pos < 0).reshape(L, G, S // B, B).sum(axis=-1)
+        else:
+            for t in range(victims.shape[-1]):
+                _add_at(self._holes, victims[..., t] // B, 1)
+        table = self.slot_pos.reshape(L, G, S // B, B)
         slots = np.empty((L, G, len(pos)), np.int64)
         for t, p in enumerate(pos):
-            holes = (self.slot_pos < 0).reshape(L, G, S // B, B)
-            count = holes.sum(axis=-1)                                       # [L, G, blocks]
             filling = np.maximum(self._filling, 0)[..., None]
-            left = np.take_along_axis(count, filling, axis=-1)[..., 0]
+            left = np.take_along_axis(self._holes, filling, axis=-1)[..., 0]
             block = np.where((self._filling >= 0) & (left > 0), filling[..., 0],
-                             count.argmax(axis=-1))
-            first = np.take_along_axis(holes, block[..., None, None], axis=2)[:, :, 0].argmax(-1)
-            slots[..., t] = block * B + first
-            self._filling = block
+                             self._holes.argmax(axis=-1))
+            rows = np.take_along_axis(table, block[..., None, None], axis=2)[:, :, 0]
+            slots[..., t] = block * B + (rows < 0).argmax(axis=-1)
             np.put_along_axis(self.slot_pos, slots[..., t:t + 1], p, axis=-1)
+            _add_at(self._holes, block, -1)
+            self._filling = block
         return slots
 
     def layer(self, i: int) -> LayerView:
@@ -592,6 +598,13 @@ class H2OCache(SinkCache):
         super().reset()
         self.score[...] = 0
         self._filling[...] = -1
+        self._holes = None
+
+
+def _add_at(counts: np.ndarray, index: np.ndarray, n: int) -> None:
+    """counts[..., index[...]] += n: one index per row of counts [..., k]."""
+    at = index[..., None]
+    np.put_along_axis(counts, at, np.take_along_axis(counts, at, axis=-1) + n, axis=-1)
 
 
 POLICIES = {"dense": KVCache, "sink": SinkCache, "h2o": H2OCache}
