@@ -143,3 +143,12 @@ def random_quant(out: int, n_in: int, bits: int = 4, g: int = 32, half: bool = T
         w = quant.make(codes, bits, scale, offset, scale_q=sub(1, 64), offset_q=sub(0, 64))
     assert w.scale.dtype == dtype
     return w
+
+
+def quant_store(rows, slots, D, bits, block, residual=0, pin=0, zeros=np.zeros):
+    """An empty KIVI store (kernels.kv_quant) of `rows` rows and `slots` slots, its pool sized
+    for `residual` tokens and `pin` pinned blocks; `zeros` makes its arrays (a backend's)."""
+    from tinyrt.kernels import kv_quant
+
+    return kv_quant.allocate((rows,), slots, D, bits, block,
+                             kv_quant.pool_entries(block, residual, pin), pin, zeros)

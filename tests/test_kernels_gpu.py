@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from helpers import random_quant, random_weights, rel_err, tiny_config
+from helpers import quant_store, random_quant, random_weights, rel_err, tiny_config
 from tinyrt.kernels import gpu, kv_quant, quant
 from tinyrt.kernels import reference as ref
 
@@ -105,11 +105,6 @@ def _fresh_rng():
     return np.random.default_rng(seed)
 
 
-def _quant_store(rows, slots, D, bits, block, residual, pin):
-    return kv_quant.allocate((rows,), slots, D, bits, block,
-                             kv_quant.pool_entries(block, residual, pin), pin, np.zeros)
-
-
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -128,7 +123,7 @@ def test_store_kv_quantized(bits, order):
     rng = _fresh_rng()
     N, D, B = 2, 16, 4
     C = 8 * B
-    want, got = (_quant_store(N, C, D, bits, B, 2 * B, pin=1) for _ in range(2))
+    want, got = (quant_store(N, C, D, bits, B, 2 * B, pin=1) for _ in range(2))
     be = gpu.CudaBackend()
     at = 0
     for step in range(12):
@@ -164,7 +159,7 @@ def test_attention_over_quantized_cache(bits, T, window, h2o):
     some after the queries (hidden); a window; H2O's scores."""
     rng = _fresh_rng()
     G, ratio, D, B, C, S = 2, 2, 16, 4, 64, 57
-    store = _quant_store(G, C, D, bits, B, 2 * B, pin=1)
+    store = quant_store(G, C, D, bits, B, 2 * B, pin=1)
     slots = np.tile(np.arange(S), (G, 1))
     k, v = (rng.standard_normal((S, G, D)).astype(np.float32) for _ in range(2))
     kv_quant.store_kv(store, slots, k, v)

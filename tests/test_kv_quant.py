@@ -6,18 +6,13 @@ import numpy as np
 import pytest
 
 import tinyrt
-from helpers import tiny_config, write_tiny_model
+from helpers import quant_store, tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.kernels import cpu, cpu_kv, get_backend, kv_quant, reference as ref
 from tinyrt.kernels.reference import ReferenceBackend
 from tinyrt.kv_cache import POLICIES, CacheOptions, KVCache, KVLayout
 
 BITS = (8, 4, 2)
-
-
-def _store(rows, slots, D, bits, block, residual=0, pin=0):
-    return kv_quant.allocate((rows,), slots, D, bits, block,
-                             kv_quant.pool_entries(block, residual, pin), pin, np.zeros)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -62,7 +57,7 @@ def test_cpu_writes_and_reads_as_the_reference(bits, block, D, order):
     what was written in order, within a few steps after scattered writes."""
     rng = np.random.default_rng(2)
     N, C = 3, 8 * block
-    want, got = _store(N, C, D, bits, block, 2 * block), _store(N, C, D, bits, block, 2 * block)
+    want, got = (quant_store(N, C, D, bits, block, 2 * block) for _ in range(2))
     written = np.zeros((N, C, 2, D), np.float32)
     at = 0
     for step in range(4 * C // 3):
@@ -96,7 +91,7 @@ def test_the_residual_and_the_pinned_blocks_stay_float():
     do the pinned first blocks (the sinks), however many blocks were sealed since."""
     rng = np.random.default_rng(3)
     block, R, D = 4, 8, 16
-    store = _store(2, 64, D, 2, block, R, pin=1)
+    store = quant_store(2, 64, D, 2, block, R, pin=1)
     k, v = (rng.standard_normal((50, 2, D)).astype(np.float32) for _ in range(2))
     for t in range(50):
         cpu.CpuBackend(1).store_kv(store, None, np.full((2, 1), t), k[t:t + 1], v[t:t + 1])
@@ -117,7 +112,7 @@ def test_decode_attention_reads_the_codes_as_the_reference(bits, S, window, rati
     H2O scores) against the reference over the dequantized cache."""
     rng = np.random.default_rng(4)
     G, D, block = 2, 64, 32
-    store = _store(G, 1024, D, bits, block, 64)
+    store = quant_store(G, 1024, D, bits, block, 64)
     slots = np.tile(np.arange(S), (G, 1))
     k, v = (rng.standard_normal((S, G, D)).astype(np.float32) for _ in range(2))
     ReferenceBackend.store_kv(store, None, slots, k, v)
@@ -252,8 +247,7 @@ def test_a_block_sealed_again_keeps_its_other_tokens_codes(bits, backend):
     rng = np.random.default_rng(12)
     B, D, N = 16, 32, 2
     be = get_backend(backend)
-    store = kv_quant.allocate((N,), 2 * B, D, bits, B, kv_quant.pool_entries(B, 0, 0), 0,
-                              be.zeros)                          # a pool of one block
+    store = quant_store(N, 2 * B, D, bits, B, zeros=be.zeros)    # a pool of one block
     k, v = (rng.standard_normal((2 * B, N, D)).astype(np.float32) for _ in range(2))
     be.store_kv(store, None, np.tile(np.arange(2 * B), (N, 1)), k, v)
     first = be.read_kv(store, None, B)                           # block 0, sealed once
@@ -288,8 +282,7 @@ def test_groups_at_the_float16_limits_reopen_alike_on_every_backend(bits):
     stores = {}
     for name in ("reference", "cpu", "cuda"):
         be = get_backend(name)
-        store = kv_quant.allocate((N,), 2 * B, D, bits, B, kv_quant.pool_entries(B, 0, 0), 0,
-                                  be.zeros)
+        store = quant_store(N, 2 * B, D, bits, B, zeros=be.zeros)
         be.store_kv(store, None, np.tile(np.arange(2 * B), (N, 1)), k, v)   # block 0 sealed
         be.store_kv(store, None, np.full((N, 1), 3), k[4:5], v[4:5])       # opened again
         be.store_kv(store, None, np.full((N, 1), B), k[B:B + 1], v[B:B + 1])  # sealed again

@@ -136,6 +136,11 @@ class CacheOptions:
             return math.ceil(L * G * kv_quant.token_bytes(self.bits, self.group, D)) + table
         return 2 * L * G * D * self.dtype.itemsize + table
 
+    def pool(self) -> tuple[int, int]:
+        """A quantized cache's pinned blocks (those of the sinks) and float pool entries."""
+        pin = -(-self.sinks // self.group)
+        return pin, kv_quant.pool_entries(self.group, self.kv_residual, pin)
+
     def fixed_bytes(self, config) -> int:
         """The memory a quantized cache takes whatever its size: its float pool (the residual,
         the sinks and the block being filled, as float16 K and V, with its tables), and h2o's
@@ -143,8 +148,7 @@ class CacheOptions:
         if not self.bits:
             return 0
         L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        pin = -(-self.sinks // self.group)
-        entries = kv_quant.pool_entries(self.group, self.kv_residual, pin)
+        entries = self.pool()[1]
         spare = self.group * self.token_bytes(config) if self.kv_policy == "h2o" else 0
         return L * G * entries * (2 * self.group * D * 2 + 12) + spare
 
@@ -220,8 +224,7 @@ class KVCache:
         if self.quantized:       # whole blocks of slots
             B = options.group
             slots = -(-capacity // B) * B
-            pin = -(-options.sinks // B)
-            entries = kv_quant.pool_entries(B, options.kv_residual, pin)
+            pin, entries = options.pool()
             need = n_layers * kv_heads * (kv_quant.token_bytes(options.bits, B, head_dim) * slots
                                           + entries * 4 * B * head_dim)
         else:
