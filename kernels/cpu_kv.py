@@ -15,12 +15,18 @@ from . import simd
 
 
 @njit(cache=True, inline="always")
+def step(x, s, z):
+    """kv_quant's rounding of x to a step of scale s from zero z, as a float: floor((x - z) / s
+    + 1/2)."""
+    return np.floor((x - z) / s + np.float32(0.5))
+
+
+@njit(cache=True, inline="always")
 def code(x, s, z, top):
-    """kv_quant's rounding: floor((x - z) / s + 1/2) in [0, top], 0 where s is 0."""
+    """kv_quant's code of x: step in [0, top], 0 where s is 0."""
     if s <= 0:
         return 0
-    c = np.floor((x - z) / s + np.float32(0.5))
-    return int(min(max(c, np.float32(0)), np.float32(top)))
+    return int(min(max(step(x, s, z), np.float32(0)), np.float32(top)))
 
 
 @njit(cache=True)
@@ -41,7 +47,7 @@ def _requantize_group(x, bits, sz, row, at, cs):
             kept = True
             cs[i] = c
         elif stay:
-            u = np.floor((v - z) / s + np.float32(0.5))
+            u = step(v, s, z)
             stay = u >= 0 and u <= top
             cs[i] = int(u) if stay else 0
     if not (stay and kept):              # a new grid: kv_quant.quantize

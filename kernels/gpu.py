@@ -282,6 +282,13 @@ def _clip(x, lo, hi):
 
 
 @cuda.jit(device=True)
+def _to_pool(x):
+    """kv_quant.to_pool's clamp: a value as a float16 pool or cache can hold it (the float16
+    rounding is the store's)."""
+    return _clip(x, -_TOP16, _TOP16)
+
+
+@cuda.jit(device=True)
 def _scale_zero(x, sz, top):
     """kv_quant.quantize's scale (max - min) / top and zero (min) of the group x (float16, any
     stride) into sz [2] (float16); returns them as stored, in float32."""
@@ -299,8 +306,9 @@ def _scale_zero(x, sz, top):
 
 @cuda.jit(device=True)
 def _step(x, s, z):
-    """kv_quant's rounding of x to a step of scale s from zero z: floor((x - z) / s + 1/2)."""
-    return int(math.floor((x - z) / s + float32(0.5)))
+    """kv_quant's rounding of x to a step of scale s from zero z, as a float: floor((x - z) / s
+    + 1/2)."""
+    return math.floor((x - z) / s + float32(0.5))
 
 
 @cuda.jit(device=True)
@@ -308,14 +316,14 @@ def _code(x, s, z, top):
     """kv_quant.quantize's code of x (float16): _step clipped to [0, top], 0 where s is 0."""
     if s <= 0:
         return 0
-    return _clip(_step(float32(x), s, z), 0, top)
+    return int(_clip(_step(float32(x), s, z), 0, top))
 
 
 @cuda.jit(device=True)
 def _opened(c, s, z, half):
     """A code as opening its block wrote it into the pool: code * scale + zero as float16
     (half: a float16 scratch [1] that rounds it), in float32."""
-    half[0] = _clip(_add_rn(_mul_rn(float32(c), s), z), -_TOP16, _TOP16)
+    half[0] = _to_pool(_add_rn(_mul_rn(float32(c), s), z))
     return float32(half[0])
 
 
@@ -335,13 +343,13 @@ def _requantize(x, old, sz, top, out):
             if xi == _opened(old[i], s, z, half):
                 kept = True
             else:        # a float comparison first: a NaN's step is no code
-                u = math.floor((xi - z) / s + float32(0.5))
+                u = _step(xi, s, z)
                 if not (u >= 0 and u <= top):
                     stay = False
     if stay and kept:
         for i in range(x.shape[0]):
             xi = float32(x[i])
-            out[i] = old[i] if xi == _opened(old[i], s, z, half) else _step(xi, s, z)
+            out[i] = old[i] if xi == _opened(old[i], s, z, half) else int(_step(xi, s, z))
         return
     s, z = _scale_zero(x, sz, float32(top))
     for i in range(x.shape[0]):
@@ -437,8 +445,8 @@ def store_kv_q(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v):
         if opening:
             for u in range(tid, B * D, THREADS):
                 i, d = u // D, u % D
-                fk[n, e, i, d] = _clip(_key(kc, ks, n, j, i, d, bits), -_TOP16, _TOP16)
-                fv[n, e, i, d] = _clip(_value(vc, vs, n, j * B + i, d, bits), -_TOP16, _TOP16)
+                fk[n, e, i, d] = _to_pool(_key(kc, ks, n, j, i, d, bits))
+                fv[n, e, i, d] = _to_pool(_value(vc, vs, n, j * B + i, d, bits))
             cuda.syncthreads()   # the block's rows written before the new row overwrites one
         if tid == 0:
             if sealed >= 0:
@@ -450,8 +458,8 @@ def store_kv_q(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v):
                     last = stamp[n, i]
             stamp[n, e] = last + 1
         for d in range(tid, D, THREADS):
-            fk[n, e, s % B, d] = _clip(k[t, n, d], -_TOP16, _TOP16)
-            fv[n, e, s % B, d] = _clip(v[t, n, d], -_TOP16, _TOP16)
+            fk[n, e, s % B, d] = _to_pool(k[t, n, d])
+            fv[n, e, s % B, d] = _to_pool(v[t, n, d])
         cuda.syncthreads()       # the row written before a later token's seal reads the entry
 
 

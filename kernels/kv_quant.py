@@ -165,8 +165,9 @@ def quantize(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def to_pool(x: np.ndarray) -> np.ndarray:
-    """float32 values as the float16 pool holds them: rounded to nearest, clamped to the finite
-    range (a group's top code can read back past the largest float16)."""
+    """float32 values as a float16 pool (or float16 cache) holds them: rounded to nearest,
+    clamped to the finite range (no infinities to meet an attention weight of 0; a group's top
+    code can read back past the largest float16)."""
     top = np.finfo(np.float16).max
     return np.clip(x, -top, top).astype(np.float16)
 

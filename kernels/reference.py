@@ -199,8 +199,7 @@ class ReferenceBackend:
         if isinstance(k_buf, kv_quant.QuantKV):
             return kv_quant.store_kv(k_buf, slots, k, v)
         if k_buf.dtype == np.float16:
-            top = np.finfo(np.float16).max
-            k, v = np.clip(k, -top, top), np.clip(v, -top, top)
+            k, v = kv_quant.to_pool(k), kv_quant.to_pool(v)
         for g in range(k_buf.shape[0]):
             k_buf[g, slots[g]] = k[:, g]
             v_buf[g, slots[g]] = v[:, g]
