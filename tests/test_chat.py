@@ -116,8 +116,54 @@ def test_a_cache_that_cannot_roll_back_prefills_everything_again(tiny):
     with pytest.raises(KeyboardInterrupt):
         list(chat.send("second"))
     llm.backend.rmsnorm = rmsnorm
-    _, prompt = turn(chat, fed, "third")
-    assert len(prompt) == len(llm.tokenizer.encode(chat.template.render(chat.history[:-1])))
+    before = len(fed.calls)
+    turn(chat, fed, "third")                     # (which checks that it is the whole text)
+    assert fed.calls[before][0] == 0 and chat.last.cached_tokens == 0
+
+
+def test_complete_keeps_the_longest_common_prefix_of_what_the_cache_holds(tiny):
+    llm = tinyrt.LLM(tiny, device="reference", kv_size=256)
+    fed = Fed(llm)
+    encode = llm.tokenizer.encode
+    a, b = encode("def f(x):\n    return x * 2"), encode("def f(y): café")
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common > 0
+
+    def reply(ids, **kw):
+        gen = llm.complete(ids, max_tokens=6, temperature=0, ignore_eos=True, **kw)
+        list(gen)
+        return gen
+
+    first = reply(a)
+    assert first.timings.cached_tokens == 0
+    assert fed.sequence() == a + list(first.tokens[:-1])      # the last token was not run
+    second = reply(b)
+    assert second.timings.cached_tokens == common and second.timings.prompt_tokens == len(b) - common
+    assert fed.sequence() == b + list(second.tokens[:-1])
+    extended = b + list(second.tokens) + encode(" more")      # a conversation's next turn
+    third = reply(extended)
+    assert third.timings.cached_tokens == len(b) + len(second.tokens) - 1
+    again = reply(extended)                                   # the same prompt: its last token runs
+    assert again.timings.cached_tokens == len(extended) - 1
+    assert list(again.tokens) == list(third.tokens)
+    llm.generation(encode("x"), max_tokens=2)                  # (not `complete`: the cache is unknown)
+    assert reply(extended).timings.cached_tokens == 0
+
+
+def test_complete_starts_empty_where_the_cache_evicted_what_it_would_keep(tiny):
+    for policy in ("sink", "h2o"):
+        llm = tinyrt.LLM(tiny, device="reference", kv_size=64, kv_policy=policy)
+        fed = Fed(llm)
+        ids = llm.tokenizer.encode("def f(x):")
+        gen = llm.complete(ids, max_tokens=100, temperature=0, ignore_eos=True)   # evicts
+        list(gen)
+        longer = ids + list(gen.tokens)
+        nxt = llm.complete(longer + [5], max_tokens=2, temperature=0)   # appends: nothing to undo
+        list(nxt)
+        assert nxt.timings.cached_tokens == len(longer) - 1
+        other = llm.complete(ids + [7], max_tokens=2, temperature=0)
+        list(other)
+        assert other.timings.cached_tokens == 0 and fed.calls[-2][0] == 0
 
 
 def test_dense_overflow_is_a_clear_error_and_sink_goes_on(tiny):

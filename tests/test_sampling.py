@@ -64,3 +64,25 @@ def test_repeat_penalty():
 def test_bad_params(bad):
     with pytest.raises(TinyrtError):
         SamplingParams(**bad)
+
+
+def test_presence_and_frequency_penalties_count_the_window():
+    rng = np.random.default_rng()
+    x = rng.standard_normal(50).astype(np.float32)
+    history = list(rng.integers(0, 50, 200))
+    y = apply_repeat_penalty(x, history, 1.0, 64, presence=0.5, frequency=0.25)
+    window = history[-64:]
+    want = x.copy()
+    for i in range(50):
+        n = window.count(i)
+        want[i] -= (0.5 if n else 0.0) + 0.25 * n
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+    both = apply_repeat_penalty(x, history, 1.5, 64, presence=0.5)
+    seen = np.isin(np.arange(50), window)
+    np.testing.assert_allclose(both[seen], np.where(x > 0, x / 1.5, x * 1.5)[seen] - 0.5, rtol=1e-6)
+    sampler = Sampler(SamplingParams(frequency_penalty=2.0))
+    assert sampler.history_size == 64
+    top = int(np.argmax(x))
+    assert sampler(x, [top] * 10) != top                       # greedy, pushed off its argmax
+    with pytest.raises(TinyrtError):
+        SamplingParams(presence_penalty=2.5)

@@ -7,8 +7,11 @@ import json
 import os
 import sys
 import time
+from array import array
 from pathlib import Path
 from typing import Iterator, Sequence
+
+import numpy as np
 
 from tinyrt.errors import ModelFormatError, TinyrtError
 
@@ -93,6 +96,7 @@ class LLM:
         self.draft_tokens = draft_tokens
         self.cache_options = cache
         self.cache = make_cache(cache, self.model)
+        self._held: array | None = array("i")   # the token ids the cache holds (None: unknown)
         self.drafter = None if draft is None else make_drafter(
             str(draft), self.model, self.tokenizer, self.cache,
             lambda model: make_cache(cache, model), load_model, load_tokenizer)
@@ -133,19 +137,23 @@ class LLM:
         Options as for `generation`. The cache starts empty: each call is a new conversation
         (`ChatSession` keeps one going)."""
         ids = self.prompt_ids(prompt, system=system, raw=raw)
-        self.cache.reset()
+        self.reset()
         yield from self.generation(ids, **options)
 
     def generation(self, ids: Sequence[int], *, max_tokens: int = 512,
                    temperature: float | None = None, top_k: int | None = None,
                    top_p: float | None = None, min_p: float | None = None,
-                   repeat_penalty: float | None = None, seed: int | None = None,
+                   repeat_penalty: float | None = None, presence_penalty: float | None = None,
+                   frequency_penalty: float | None = None, seed: int | None = None,
                    stop: Sequence[str] = (), ignore_eos: bool = False) -> Generation:
         """A reply to prompt token `ids` appended to what the cache holds. Sampling options left
-        None take the model's generation_config.json or the sampler's defaults; `ignore_eos`
-        goes on past end-of-sequence tokens (to max_tokens, or a full dense cache)."""
+        None take the model's generation_config.json or the sampler's defaults
+        (sampling.SamplingParams); `ignore_eos` goes on past end-of-sequence tokens (to
+        max_tokens, or a full dense cache)."""
+        self._held = None                        # (`complete` knows what the cache holds)
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                     repeat_penalty=repeat_penalty)
+                     repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                     frequency_penalty=frequency_penalty)
         params = {**self.sampling_defaults(), **{k: v for k, v in given.items() if v is not None}}
         sampler = Sampler(SamplingParams(seed=seed, **params))
         if max_tokens <= 0:
@@ -157,6 +165,71 @@ class LLM:
             return Generation(*args, **kwargs)
         return SpeculativeGeneration(*args, drafter=self.drafter, max_gamma=self.draft_tokens,
                                      gamma=min(4, self.draft_tokens), **kwargs)
+
+    def complete(self, ids: Sequence[int], **options) -> Generation:
+        """The reply to token ids `ids`, the whole context (options as for `generation`). The KV
+        cache keeps the longest common prefix of `ids` and the tokens it holds (the last
+        `complete`'s prompt and as much of its reply as it ran), and only the rest is prefilled
+        (`Timings.cached_tokens` counts what was kept): a conversation's next turn, or a prompt
+        that shares a system message, starts at its first new token. Where the cache cannot take
+        back what follows the common prefix (a streaming policy that evicted), it starts empty.
+        Refuses, before any work, what cannot fit."""
+        ids = list(ids)
+        if not ids:
+            raise TinyrtError("the prompt is empty")
+        keep = self._keep_prefix(ids)
+        held = self._held
+        try:
+            gen = self.generation(ids[keep:], **options)
+        except TinyrtError:
+            self._held = held
+            raise
+        gen.timings.cached_tokens = keep
+        start = self.cache.next_pos
+        gen.on_done = lambda: self._settle(gen, ids, keep, start)
+        return gen
+
+    def _keep_prefix(self, ids: list[int]) -> int:
+        """Roll the cache back to the longest common prefix of `ids` and what it holds, less the
+        last token of `ids` (a forward pass gives the next token's logits); returns its length."""
+        held = self._held
+        if held is None:
+            self.reset()
+            return 0
+        n = min(len(held), len(ids) - 1)
+        same = np.frombuffer(held, dtype=np.int32, count=n) != np.asarray(ids[:n], dtype=np.int32)
+        keep = int(np.argmax(same)) if same.any() else n
+        if keep < len(held):
+            try:
+                self.cache.rollback(len(held) - keep)
+            except ValueError:                   # it evicted what came after
+                self.reset()
+                return 0
+            del held[keep:]
+        return keep
+
+    def _settle(self, gen: Generation, ids: list[int], keep: int, start: int) -> None:
+        """After a reply, complete or not: the tokens the cache holds. Those are the prompt when
+        its first token was drawn, then one per later decode step; a pass cut short (Ctrl-C, an
+        error) may have taken slots of its own, which are taken back."""
+        t = gen.timings
+        done = start + (len(gen.prompt) + t.decode_steps if t.ttft_s > 0 else 0)
+        if self.cache.next_pos > done:
+            try:
+                self.cache.rollback(self.cache.next_pos - done)
+            except ValueError:                   # it evicted: start empty next time
+                self.reset()
+                return
+        if t.ttft_s > 0:
+            self._held = array("i", ids)
+            self._held.extend(gen.tokens[:t.decode_steps])
+        else:
+            self._held = array("i", ids[:keep])
+
+    def reset(self) -> None:
+        """Empty the KV cache (the next `complete` prefills its whole prompt)."""
+        self.cache.reset()
+        self._held = array("i")
 
     def generate(self, prompt: Prompt, **options) -> str:
         """The whole reply as text (options as for `stream`)."""

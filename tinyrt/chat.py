@@ -1,12 +1,12 @@
 """A conversation that keeps its KV cache between turns: `ChatSession`.
 
-Each turn prefills only what is new. The cache holds the conversation's tokens as the model saw
-them (the replies as generated, not re-tokenized); a new turn renders the whole conversation with
-the chat template, and where that text starts with the text the cache holds (the template adds
-only the end of the last reply and the new user turn, as ChatML and its kind do), only the rest
-is tokenized and prefilled. Where it does not (a stop string cut the reply, the system message
-changed, a reply was stopped in the middle of a forward pass on a cache that cannot roll back,
-a loaded conversation), the whole conversation is prefilled again: slower, never wrong.
+Each turn prefills only what is new. A new turn renders the whole conversation with the chat
+template; where that text starts with the last turn's text (the template adds only the end of the
+last reply and the new user turn, as ChatML and its kind do), its tokens are the last turn's as
+the model saw them (the reply as generated, not re-tokenized) and the rest's. `LLM.complete` then
+keeps the longest common prefix of those tokens and what the cache holds. Where the text does not
+start so (a stop string cut the reply, the system message changed, a loaded conversation), the
+whole conversation is tokenized again and the cache keeps what still agrees: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -38,6 +38,14 @@ SETTINGS = {"max_tokens": int, "temperature": (int, float), "top_k": int, "top_p
             "ignore_eos": bool}
 
 
+def conversation_template(llm) -> tuple[ChatTemplate, list[str]]:
+    """The template a conversation with `llm` is rendered with (the model's, else a plain one)
+    and the stop strings a reply needs with it."""
+    if llm.template is not None:
+        return llm.template, []
+    return ChatTemplate(PLAIN_TEMPLATE, bos_token=llm.tokenizer.bos_token), [PLAIN_STOP]
+
+
 class ChatSession:
     """A multi-turn chat with `llm` (a `tinyrt.LLM`, whose KV cache it uses).
 
@@ -57,10 +65,9 @@ class ChatSession:
         self.messages: list[dict] = []           # user and assistant turns, without the system
         self.last: Timings | None = None         # the last reply's timings
         self.last_finish: str | None = None
-        tok = llm.tokenizer
-        self.template = llm.template or ChatTemplate(PLAIN_TEMPLATE, bos_token=tok.bos_token)
-        self._held: str | None = None            # the text whose tokens the cache holds
-        self._pending: list[int] = []            # reply tokens drawn but not yet in the cache
+        self.template, self._stops = conversation_template(llm)
+        self._held: str | None = None            # the conversation's text so far
+        self._ids: list[int] = []                # its tokens as the model saw them
         self.reset()
 
     @property
@@ -70,8 +77,9 @@ class ChatSession:
         return head + [dict(m) for m in self.messages]
 
     def reset(self) -> None:
-        """Forget the conversation (the system message and settings stay)."""
+        """Forget the conversation (the system message and settings stay) and empty the cache."""
         self.messages = []
+        self.llm.reset()
         self._invalidate()
 
     def set_system(self, text: str | None) -> None:
@@ -80,8 +88,7 @@ class ChatSession:
         self._invalidate()
 
     def _invalidate(self) -> None:
-        self.llm.cache.reset()
-        self._held, self._pending = None, []
+        self._held, self._ids = None, []
 
     # -- a turn ---------------------------------------------------------------------------------
 
@@ -91,51 +98,36 @@ class ChatSession:
         if not isinstance(text, str) or not text.strip():
             raise TinyrtError("a chat message needs some text")
         opts = {**self.settings, **options}
-        if self.llm.template is None:
-            opts["stop"] = [*opts.get("stop", ()), PLAIN_STOP]
+        opts["stop"] = [*(opts.get("stop") or ()), *self._stops]
         messages = self.history + [{"role": "user", "content": text}]
         full = self.template.render(messages, add_generation_prompt=True)
-        cache, tok = self.llm.cache, self.llm.tokenizer
+        tok = self.llm.tokenizer
         if self._held is not None and full.startswith(self._held):
-            ids = self._pending + tok.encode(full[len(self._held):], add_special=False)
+            ids = self._ids + tok.encode(full[len(self._held):], add_special=False)
         else:
-            self._invalidate()
             ids = tok.encode(full, add_special=False)
-        gen = self.llm.generation(ids, **opts)       # refuses, before any work, what cannot fit
+        self._invalidate()
+        gen = self.llm.complete(ids, **opts)     # refuses, before any work, what cannot fit
         self.messages.append({"role": "user", "content": text})
-        start, pieces = cache.next_pos, []
+        pieces = []
         replies = iter(gen)
         try:
             for r in replies:
                 pieces.append(r.text)
                 yield r
         finally:
-            replies.close()          # the generation settles first (a speculative step's caches)
+            replies.close()          # the cache settles first
             # a reply stopped early keeps the text of all its tokens (the detokenizer may have
             # held back the last few characters)
-            reply = "".join(pieces) if gen.finish_reason else tok.decode(list(gen.tokens))
+            tokens = list(gen.tokens)
+            reply = "".join(pieces) if gen.finish_reason else tok.decode(tokens)
             self.messages.append({"role": "assistant", "content": reply})
             self.last, self.last_finish = gen.timings, gen.finish_reason
-            self._settle(gen, start, full + reply, reply)
-
-    def _settle(self, gen, start: int, text: str, reply: str) -> None:
-        """After a reply, complete or not: which of its tokens the cache holds, and the text."""
-        cache, tok = self.llm.cache, self.llm.tokenizer
-        t = gen.timings
-        # forward passes that completed: the prompt (when its first token was drawn) and one per
-        # later decode step; a pass cut short by Ctrl-C may have taken slots of its own
-        done = start + (len(gen.prompt) + t.decode_steps if t.ttft_s > 0 else 0)
-        extra = cache.next_pos - done
-        if extra:
-            try:
-                cache.rollback(extra)
-            except ValueError:                   # it evicted: prefill everything next turn
-                self._invalidate()
-                return
-        if t.ttft_s == 0 or tok.decode(list(gen.tokens), skip_special=False) != reply:
-            self._invalidate()                   # no reply, or its text is not its tokens'
-            return                               # (a stop string, a special token)
-        self._held, self._pending = text, list(gen.tokens[t.decode_steps:])
+            # the next turn's text starts with this one's where the template adds only the end
+            # of the reply; its tokens are the ones drawn, unless the reply's text is not theirs
+            # (a stop string cut it, a special token)
+            if tok.decode(tokens, skip_special=False) == reply:
+                self._held, self._ids = full + reply, ids + tokens
 
     # -- saving ---------------------------------------------------------------------------------
 

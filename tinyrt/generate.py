@@ -24,7 +24,8 @@ from .tokenizer import Detokenizer, Tokenizer
 @dataclass
 class Timings:
     load_s: float = 0.0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0       # prefilled; `cached_tokens` more the cache held already
+    cached_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0       # the forward pass over the prompt
     ttft_s: float = 0.0          # start of the request to the first token
@@ -114,6 +115,7 @@ class Generation:
         self.timings = Timings(load_s=load_s, prompt_tokens=len(self.prompt))
         self.tokens = array("i")               # the reply's ids: 4 bytes a token
         self.finish_reason: str | None = None
+        self.on_done = None      # called once the reply's forward passes are over (LLM.complete)
         check_fits(cache, len(self.prompt), model.config.max_position_embeddings)
 
     def _logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -163,6 +165,8 @@ class Generation:
                     break
         finally:
             ids.close()          # (a speculative step settles its caches)
+            if self.on_done is not None:
+                self.on_done()
         tail = ""
         if not hit_stop:  # release what was held back, unless a stop string cut the reply
             tail, hit_stop = self.stop.feed(detok.flush())

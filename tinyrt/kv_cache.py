@@ -289,6 +289,10 @@ class KVCache:
         """Whether n more tokens can be appended (after evictions, for a streaming policy)."""
         return n <= self.free
 
+    def holds(self, n: int) -> bool:
+        """Whether n tokens fit the cache when it is empty (a streaming policy takes any)."""
+        return n <= self.capacity
+
     def allocate(self, n: int) -> np.ndarray:
         """Take slots for the next n tokens (see `layer`); returns their positions [n]."""
         if n > self.free:
@@ -387,6 +391,9 @@ class SinkCache(KVCache):
 
     def fits(self, n: int) -> bool:
         return True            # in chunks, evicting
+
+    def holds(self, n: int) -> bool:
+        return True
 
     @property
     def sink_shift(self) -> int:

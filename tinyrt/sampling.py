@@ -1,7 +1,8 @@
 """Choosing the next token from logits. The model returns logits; everything else happens here.
 
-Order of operations (as HF's logits processors): repetition penalty, then greedy argmax when the
-temperature is 0, else temperature, top-k, top-p, min-p, and a draw from what is left.
+Order of operations (as HF's logits processors): the penalties on recent tokens (repetition, then
+presence and frequency), then greedy argmax when the temperature is 0, else temperature, top-k,
+top-p, min-p, and a draw from what is left.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from tinyrt.errors import TinyrtError
 class SamplingParams:
     """temperature 0 is greedy (the default, as in HF transformers and mlx-lm; the model's
     generation_config.json or the caller may ask for sampling). 0 disables top_k; 1.0 disables top_p
-    and repeat_penalty; 0 disables min_p."""
+    and repeat_penalty; 0 disables min_p, presence_penalty and frequency_penalty (OpenAI's additive
+    penalties: a token seen in the last `repeat_last_n` ids loses presence_penalty once and
+    frequency_penalty per time seen, as llama.cpp applies them)."""
 
     temperature: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     repeat_last_n: int = 64
     seed: int | None = None
 
@@ -35,6 +40,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
             (self.repeat_penalty > 0, "repeat-penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence-penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency-penalty must be in [-2, 2]"),
             (self.repeat_last_n >= 0, "repeat-last-n must be >= 0"),
         ]
         for ok, msg in checks:
@@ -43,14 +50,17 @@ class SamplingParams:
 
 
 def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: float,
-                         last_n: int) -> np.ndarray:
-    """CTRL-style penalty on tokens seen in the last `last_n` ids: positive logits are divided by
-    the penalty, negative ones multiplied. Returns a new array."""
+                         last_n: int, presence: float = 0.0, frequency: float = 0.0) -> np.ndarray:
+    """Penalties on the tokens seen in the last `last_n` ids: CTRL's (positive logits divided by
+    `penalty`, negative ones multiplied), then `presence` subtracted once and `frequency` once per
+    time seen. Returns a new array."""
     logits = np.array(logits, dtype=np.float32)
-    if penalty != 1.0 and last_n and len(history):
-        ids = np.unique(np.asarray(history[-last_n:], dtype=np.int64))
+    if (penalty != 1.0 or presence or frequency) and last_n and len(history):
+        ids, counts = np.unique(np.asarray(history[-last_n:], dtype=np.int64), return_counts=True)
         v = logits[ids]
-        logits[ids] = np.where(v > 0, v / penalty, v * penalty)
+        if penalty != 1.0:
+            v = np.where(v > 0, v / penalty, v * penalty)
+        logits[ids] = v - presence - frequency * counts
     return logits
 
 
@@ -84,14 +94,20 @@ class Sampler:
 
     @property
     def history_size(self) -> int:
-        """How many of the latest ids `__call__` looks at (the repeat penalty's window)."""
+        """How many of the latest ids `__call__` looks at (the penalties' window)."""
         p = self.params
-        return p.repeat_last_n if p.repeat_penalty != 1.0 else 0
+        return p.repeat_last_n if p.repeat_penalty != 1.0 or p.presence_penalty \
+            or p.frequency_penalty else 0
+
+    def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        p = self.params
+        return apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n,
+                                    p.presence_penalty, p.frequency_penalty)
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits [V] -> token id."""
         p = self.params
-        x = apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n)
+        x = self.penalized(logits, history)
         if p.temperature == 0:
             return int(np.argmax(x))
         ids, probs = filtered_probs(x, p)
@@ -101,7 +117,7 @@ class Sampler:
         """The distribution `__call__` draws from, dense over the logits' ids: float64 [V];
         greedy puts all the mass on the argmax."""
         p = self.params
-        x = apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n)
+        x = self.penalized(logits, history)
         out = np.zeros(len(x))
         if p.temperature == 0:
             out[int(np.argmax(x))] = 1.0

@@ -7,9 +7,10 @@ import sys
 
 from tinyrt.errors import TinyrtError
 
-from . import bench, chat, convert, generate, info, ppl, pull
+from . import bench, chat, convert, generate, info, ppl, pull, serve
 
-COMMANDS = {"pull": pull, "convert": convert, "generate": generate, "chat": chat, "ppl": ppl, "bench": bench, "info": info}
+COMMANDS = {"pull": pull, "convert": convert, "generate": generate, "chat": chat, "ppl": ppl, "bench": bench, "info": info,
+            "serve": serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,84 @@
+"""`tinyrt serve`: the model behind an OpenAI-compatible HTTP API (tinyrt.server)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tinyrt.errors import TinyrtError
+
+from .options import (add_cache_options, add_draft_options, add_model_option, add_runtime_options,
+                      load_llm)
+
+MAX_QUEUE = 64            # requests waiting for the engine
+MAX_BODY = 4 << 20        # bytes of a request body (a whole context of text is far less)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over OpenAI's HTTP API (/v1/chat/completions, "
+                                   "/v1/completions, /v1/models, /health), one generation at a "
+                                   "time, the others waiting in a queue. Needs "
+                                   'pip install "tinyrt[server]".')
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m")
+    add_model_option(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: "
+                        "every network the machine is on)")
+    p.add_argument("--port", type=int, default=8080, help="default 8080; 0 picks a free port")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: "
+                        "$TINYRT_API_KEY, else none)")
+    p.add_argument("--alias", default=None, metavar="NAME",
+                   help="the model's name in the API (default: MODEL as given)")
+    p.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                   help=f"requests that may wait for the engine; more get 503 (default {MAX_QUEUE})")
+    p.add_argument("--max-body", type=int, default=MAX_BODY, metavar="BYTES",
+                   help=f"largest request body; larger get 413 (default {MAX_BODY:,})")
+    r = p.add_argument_group("runtime")
+    add_cache_options(r, policy="dense")
+    add_draft_options(r)
+    add_runtime_options(r)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from tinyrt.server import Server
+    except ImportError:
+        raise TinyrtError('the server needs its extra packages: pip install "tinyrt[server]"') \
+            from None
+    from tinyrt.registry import DEFAULT_MODEL
+
+    args.model = args.model or args.model_pos
+    if not 0 <= args.port <= 65535:
+        raise TinyrtError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 0 or args.max_body < 1:
+        raise TinyrtError("--max-queue must be >= 0 and --max-body >= 1")
+    api_key = args.api_key or os.environ.get("TINYRT_API_KEY") or None
+    llm = load_llm(args)
+    name = args.alias or (str(args.model) if args.model else DEFAULT_MODEL)
+    server = Server(llm, name, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
+    config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=3)
+    web = uvicorn.Server(config)
+
+    started = web.startup
+
+    async def startup(sockets=None):           # one line once the port is open (0: its number)
+        await started(sockets)
+        if web.started:
+            host, port = web.servers[0].sockets[0].getsockname()[:2]
+            print(f"tinyrt: serving {name!r} at http://{_url_host(host)}:{port}/v1 (OpenAI API)"
+                  f"{' · key required' if api_key else ''} · Ctrl-C stops", file=sys.stderr,
+                  flush=True)
+
+    web.startup = startup
+    web.run()
+    return 0 if web.started else 1
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
