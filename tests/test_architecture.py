@@ -47,6 +47,11 @@ def test_the_arrows_point_one_way():
         if str(path.relative_to(ROOT)) not in FRONT_ENDS:
             bad = {m for m in imports(path) if m.startswith("tinyrt.converters")}
             assert not bad, (path, bad)
+    front = FRONT_ENDS | {"tinyrt/server.py", "tinyrt/__main__.py"}
+    for path in files("tinyrt"):       # the runtime knows nothing of the front ends
+        if str(path.relative_to(ROOT)) not in front:
+            bad = {m for m in imports(path) if m.startswith(("tinyrt.cli", "tinyrt.server"))}
+            assert not bad, (path, bad)
 
 
 def test_a_loaded_model_runs_without_the_converter(tmp_path):
@@ -66,9 +71,10 @@ def test_a_loaded_model_runs_without_the_converter(tmp_path):
 
 def test_the_command_line_starts_without_numba():
     """Building every command's parser (`tinyrt --help`, a typo's usage line) loads neither
-    Numba nor the converters' compiled code: they cost a third of a second before anything."""
+    Numba nor the converters' compiled code (they cost a third of a second before anything), nor
+    the server's web stack."""
     script = ("import sys, json\nfrom tinyrt.cli import build_parser\nbuild_parser()\n"
               "print(json.dumps(sorted(m for m in ('numba', 'tinyrt.converters.awq',"
-              " 'tinyrt.kernels.cpu') if m in sys.modules)))\n")
+              " 'tinyrt.kernels.cpu', 'starlette', 'uvicorn') if m in sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == []
