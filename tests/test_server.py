@@ -279,6 +279,25 @@ def test_cancelling_a_stream_stops_its_generation_and_the_next_request_runs(tiny
         run.stop()
 
 
+def test_a_request_given_up_while_it_waits_never_runs(tiny):
+    run = Running(tinyrt.LLM(tiny, device="reference", kv_size=64, kv_policy="sink"))
+    ran, complete = [], run.llm.complete
+    run.llm.complete = lambda ids, **kw: ran.append(ids) or complete(ids, **kw)
+    try:
+        stream = run.client.completions.create(model="tiny", prompt="def f(x):", stream=True,
+                                               max_tokens=10**9, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        impatient = run.client.with_options(timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="tiny", prompt="never", max_tokens=2)
+        assert run.health()["waiting"] == 1
+        stream.close()
+        run.idle()
+        assert len(ran) == 1
+    finally:
+        run.stop()
+
+
 def test_requests_wait_their_turn_and_each_gets_its_own_reply(served):
     """Concurrent requests run one at a time, in order, each getting the reply it would alone."""
     served.idle()
