@@ -20,7 +20,7 @@ and the CPU seconds the server and this client used during the load.
 turns: a conversation of 4 user turns (greedy, 64-token replies), each request carrying the
 whole history, against the same conversation in-process with `ChatSession` (run here while the
 server is idle). Per turn, medians over --runs fresh conversations: server TTFT (client-side),
-ChatSession TTFT (`Timings.ttft_s`), their ratio, and the server's usage cached_tokens /
+ChatSession TTFT (`send` called -> its first text, as the client times the server), their ratio, and the server's usage cached_tokens /
 prompt_tokens. (The server keeps its KV cache across conversations: its turn 1 finds the last
 conversation's turn 1 there; a new ChatSession starts empty.)
 
@@ -236,10 +236,12 @@ def turns(args) -> dict:
                     rows[i]["prompt"].append(out["usage"].prompt_tokens)
             chat = tinyrt.ChatSession(llm, max_tokens=64, temperature=0)   # the server is idle
             for i, q in enumerate(QUESTIONS):
-                for _ in chat.send(q):
-                    pass
+                start, first = time.perf_counter(), None
+                for r in chat.send(q):         # timed as the client is: sent -> first text
+                    if first is None and r.text:
+                        first = time.perf_counter() - start
                 if run:
-                    rows[i]["chat"].append(chat.last.ttft_s)
+                    rows[i]["chat"].append(first)
     med = [{k: statistics.median(v) for k, v in row.items()} for row in rows]
     res = {"runs": args.runs, "turns": [
         {"turn": i + 1, "server_ttft_ms": m["server"] * 1000, "chat_ttft_ms": m["chat"] * 1000,

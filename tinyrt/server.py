@@ -184,7 +184,12 @@ class Job:
 
 
 class Engine:
-    """The one worker thread that runs jobs in order, and the bounded queue before it."""
+    """The loop that runs jobs one at a time, in order, and the bounded queue before it.
+
+    `run` in the thread that ran the model before (the CLI's main thread, which loaded it): the
+    CPU kernels' OpenMP threads belong to the first thread that ran a parallel kernel, and a
+    second thread's kernels start their threads several times slower (a 135M model's token took
+    2.6x as long). `start` runs it in a thread of its own, for a model that has not run yet."""
 
     def __init__(self, llm, max_queue: int):
         self.llm, self.max_queue = llm, max_queue
@@ -192,8 +197,6 @@ class Engine:
         self._ready = threading.Condition()
         self._closed = False
         self.running = False                     # a job is being run
-        self.thread = threading.Thread(target=self._run, name="tinyrt-engine", daemon=True)
-        self.thread.start()
 
     @property
     def waiting(self) -> int:
@@ -201,23 +204,31 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         with self._ready:
-            if self.running and len(self._jobs) >= self.max_queue:
+            if self._closed:
+                raise APIError(503, "the server is stopping", code="server_stopping")
+            if len(self._jobs) + self.running > self.max_queue:     # (one runs, the rest wait)
                 raise APIError(503, f"the server is busy: {len(self._jobs)} requests are waiting "
                                     "(the most it queues); try again shortly",
                                code="server_busy")
             self._jobs.append(job)
             self._ready.notify()
 
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.run, name="tinyrt-engine", daemon=True)
+        thread.start()
+        return thread
+
     def close(self) -> None:
-        """Cancel what runs and waits; the thread ends after the current token."""
+        """Cancel what runs and waits; `run` returns after the current token."""
         with self._ready:
             self._closed = True
             for job in self._jobs:
-                job.cancel()
+                job.put(APIError(503, "the server is stopping", code="server_stopping"))
+            self._jobs.clear()
             self._ready.notify()
-        self.thread.join(timeout=10)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Run jobs until `close`."""
         while True:
             with self._ready:
                 while not self._jobs and not self._closed:
@@ -247,6 +258,9 @@ class Engine:
         except Exception as e:                                # a bug: say so, keep serving
             traceback.print_exc(file=sys.stderr)
             job.put(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+        except BaseException:                                 # Ctrl-C: the server stops
+            job.put(APIError(503, "the server is stopping", code="server_stopping"))
+            raise
         finally:
             if replies is not None:
                 replies.close()                  # the cache settles (LLM.complete)
@@ -255,15 +269,16 @@ class Engine:
 # -- the app -----------------------------------------------------------------------------------
 
 class Server:
-    """The app's state: the LLM, its name in the API, the engine (started and stopped with the
-    app), the key (None: no key), the most requests that wait and the largest body in bytes."""
+    """The app's state: the LLM, its name in the API, the key (None: no key), the most requests
+    that wait and the largest body in bytes; and the engine, which whoever serves the app runs
+    (`Engine.run` or `start`; the app closes it when it stops)."""
 
     def __init__(self, llm, name: str, *, api_key: str | None, max_queue: int, max_body: int):
         self.llm, self.name, self.api_key = llm, name, api_key
-        self.max_queue, self.max_body = max_queue, max_body
+        self.max_body = max_body
         self.created = int(time.time())
         self.template, self.template_stops = conversation_template(llm)
-        self.engine: Engine | None = None
+        self.engine = Engine(llm, max_queue)
         self._prep = threading.Lock()            # (a template render keeps a loop budget)
 
     def app(self) -> Starlette:
@@ -278,7 +293,6 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
-        self.engine = Engine(self.llm, self.max_queue)
         try:
             yield
         finally:
@@ -287,9 +301,8 @@ class Server:
     # -- plain endpoints ------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        e = self.engine
-        return JSONResponse({"status": "ok", "model": self.name,
-                             "running": bool(e and e.running), "waiting": e.waiting if e else 0})
+        return JSONResponse({"status": "ok", "model": self.name, "running": self.engine.running,
+                             "waiting": self.engine.waiting})
 
     def _model_object(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "tinyrt"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 from tinyrt.errors import TinyrtError
 
@@ -64,7 +65,6 @@ def main(args: argparse.Namespace) -> int:
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=3)
     web = uvicorn.Server(config)
-
     started = web.startup
 
     async def startup(sockets=None):           # one line once the port is open (0: its number)
@@ -75,8 +75,24 @@ def main(args: argparse.Namespace) -> int:
                   f"{' · key required' if api_key else ''} · Ctrl-C stops", file=sys.stderr,
                   flush=True)
 
+    def serve_http():
+        try:
+            web.run()
+        finally:
+            server.engine.close()
+
     web.startup = startup
-    web.run()
+    # the web server in a thread, the model on this one, which ran it as it loaded (Engine).
+    # The kernels hold the interpreter lock: a token handed to the web thread waits for the
+    # engine to let go of it, which Python asks for every 5 ms by default; 1 ms
+    sys.setswitchinterval(1e-3)
+    thread = threading.Thread(target=serve_http, name="tinyrt-http", daemon=True)
+    thread.start()
+    try:
+        server.engine.run()
+    finally:
+        web.should_exit = True
+        thread.join(timeout=10)
     return 0 if web.started else 1
 
 
