@@ -37,6 +37,7 @@ class Running:
     def __init__(self, llm, *, api_key=None, max_queue=8, max_body=MAX_BODY):
         self.llm = llm
         self.server = Server(llm, "tiny", api_key=api_key, max_queue=max_queue, max_body=max_body)
+        self.server.engine.start()
         config = uvicorn.Config(self.server.app(), host="127.0.0.1", port=0, log_level="error")
         self.web = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.web.run, daemon=True)

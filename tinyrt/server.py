@@ -232,7 +232,9 @@ class Engine:
         while True:
             with self._ready:
                 while not self._jobs and not self._closed:
-                    self._ready.wait()
+                    # (a timeout: Ctrl-C may reach another of the process's threads, and this
+                    # one sees it only once it wakes)
+                    self._ready.wait(timeout=0.2)
                 if self._closed:
                     return
                 job = self._jobs.popleft()
