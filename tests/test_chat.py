@@ -148,11 +148,14 @@ def test_complete_keeps_the_longest_common_prefix_of_what_the_cache_holds(tiny):
     assert list(again.tokens) == list(third.tokens)
     llm.generation(encode("x"), max_tokens=2)                  # (not `complete`: the cache is unknown)
     assert reply(extended).timings.cached_tokens == 0
+    reply(extended)
+    llm.cache.reset()                                          # (used outside `complete`)
+    assert reply(extended).timings.cached_tokens == 0
 
 
 def test_complete_starts_empty_where_the_cache_evicted_what_it_would_keep(tiny):
-    for policy in ("sink", "h2o"):
-        llm = tinyrt.LLM(tiny, device="reference", kv_size=64, kv_policy=policy)
+    for policy, kv_type in (("sink", "f16"), ("h2o", "f16"), ("h2o", "q8")):
+        llm = tinyrt.LLM(tiny, device="reference", kv_size=64, kv_policy=policy, kv_type=kv_type)
         fed = Fed(llm)
         ids = llm.tokenizer.encode("def f(x):")
         gen = llm.complete(ids, max_tokens=100, temperature=0, ignore_eos=True)   # evicts
@@ -164,6 +167,28 @@ def test_complete_starts_empty_where_the_cache_evicted_what_it_would_keep(tiny):
         other = llm.complete(ids + [7], max_tokens=2, temperature=0)
         list(other)
         assert other.timings.cached_tokens == 0 and fed.calls[-2][0] == 0
+    # h2o over codes has a spare block of slots past its size: evicting, it still holds fewer
+    # tokens than it has slots, and must refuse to take back the last of them all the same
+    llm = tinyrt.LLM(tiny, device="reference", kv_size=48, kv_policy="h2o", kv_type="q8")
+    a = list(map(int, rng.integers(3, 300, 40)))
+    list(llm.complete(a, max_tokens=30, temperature=0, ignore_eos=True))
+    assert llm.cache.next_pos - 30 < llm.cache.length < llm.cache.capacity
+    assert llm.complete(a[:30] + [7], max_tokens=2).timings.cached_tokens == 0
+
+
+def test_a_request_that_takes_back_the_sinks_gets_its_own(tiny):
+    """A sink cache with a draft's slack rolls back past its size; a prompt sharing fewer than
+    the sinks with the last one gives the sinks new tokens, whose keys (not the old ones') the
+    window's next move re-rotates: the reply is a fresh cache's."""
+    kw = dict(device="reference", kv_type="f32", kv_size=48, kv_policy="sink", draft="layers:1")
+    llm, fresh = tinyrt.LLM(tiny, **kw), tinyrt.LLM(tiny, **kw)
+    a, b = (list(map(int, rng.integers(3, 300, 40))) for _ in range(2))
+    list(llm.complete(a, max_tokens=12, temperature=0, ignore_eos=True))
+    assert llm.cache.next_pos > llm.cache.size and llm.cache.sink_keys is not None
+    opts = dict(max_tokens=20, temperature=0, ignore_eos=True)
+    got = llm.complete(b, **opts)
+    assert [r.token for r in got] == [r.token for r in fresh.complete(b, **opts)]
+    assert got.timings.cached_tokens < llm.cache.n_sink
 
 
 def test_dense_overflow_is_a_clear_error_and_sink_goes_on(tiny):

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -196,6 +197,8 @@ def test_a_follow_up_turn_prefills_only_what_is_new(served):
     ("response_format", {"type": "json_object"}), ("presence_penalty", 3), ("stream", "yes"),
     ("messages", []), ("messages", [{"role": "wizard", "content": "x"}]),
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    ("messages", [{"role": "user", "content": "\ud800"}]), ("stop", "\udfff"), ("model", 123),
+    ("ignore_eos", "yes"), ("stream_options", 5),
 ])
 def test_bad_fields_get_400_naming_the_field(served, field, value):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], field: value}
@@ -291,10 +294,32 @@ def test_a_request_given_up_while_it_waits_never_runs(tiny):
         impatient = run.client.with_options(timeout=0.5)
         with pytest.raises(openai.APITimeoutError):
             impatient.completions.create(model="tiny", prompt="never", max_tokens=2)
-        assert run.health()["waiting"] == 1
+        deadline = time.monotonic() + 10               # it leaves the queue
+        while run.health()["waiting"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         stream.close()
         run.idle()
         assert len(ran) == 1
+    finally:
+        run.stop()
+
+
+def test_a_client_that_stops_reading_is_let_go(tiny):
+    run = Running(tinyrt.LLM(tiny, device="reference", kv_size=64, kv_policy="sink"))
+    body = json.dumps({"model": "tiny", "prompt": "def f(x):", "stream": True, "ignore_eos": True,
+                       "max_tokens": 10**9}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", run.port)) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 5
+            while not run.health()["running"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            run.idle(timeout=120)              # (never read: its buffers fill, then the backlog)
+        assert run.client.completions.create(model="tiny", prompt="x", max_tokens=2).usage
     finally:
         run.stop()
 
@@ -356,7 +381,39 @@ def test_tinyrt_serve_with_the_default_model(smol):
         new = follow.usage.prompt_tokens - follow.usage.prompt_tokens_details.cached_tokens
         assert follow.usage.prompt_tokens_details.cached_tokens == \
             r.usage.prompt_tokens + r.usage.completion_tokens and new < 16
+        # Ctrl-C with one reply streaming and one request waiting: both are answered
+        health = url[:-3] + "/health"
+        results = {}
+
+        def ask(name, **kw):
+            try:
+                for _ in client.completions.create(model="smol", stream=True, **kw):
+                    pass
+                results[name] = "done"
+            except openai.APIError as e:
+                results[name] = e
+
+        def until(field, value):
+            deadline = time.monotonic() + 30
+            while json.loads(urllib.request.urlopen(health, timeout=10).read())[field] != value:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+
+        streaming = threading.Thread(target=ask, args=("long",), kwargs=dict(
+            prompt="Once upon a time", max_tokens=3000, extra_body={"ignore_eos": True}))
+        streaming.start()
+        until("running", True)
+        waiting = threading.Thread(target=ask, args=("queued",), kwargs=dict(prompt="x",
+                                                                            max_tokens=2))
+        waiting.start()
+        until("waiting", 1)
+        stopped = time.monotonic()
         proc.send_signal(signal.SIGINT)
+        waiting.join(timeout=30)
+        streaming.join(timeout=30)
+        assert time.monotonic() - stopped < 5
+        assert results["queued"].status_code == 503 and "stopping" in str(results["queued"])
+        assert isinstance(results["long"], openai.APIError) and "stopping" in str(results["long"])
         assert proc.wait(timeout=30) == 130                  # as any command stopped by Ctrl-C
         assert "Traceback" not in proc.stderr.read()
     finally:

@@ -97,6 +97,7 @@ class LLM:
         self.cache_options = cache
         self.cache = make_cache(cache, self.model)
         self._held: array | None = array("i")   # the token ids the cache holds (None: unknown)
+        self._current: Generation | None = None  # the last `complete`'s reply
         self.drafter = None if draft is None else make_drafter(
             str(draft), self.model, self.tokenizer, self.cache,
             lambda model: make_cache(cache, model), load_model, load_tokenizer)
@@ -177,23 +178,24 @@ class LLM:
         ids = list(ids)
         if not ids:
             raise TinyrtError("the prompt is empty")
-        keep = self._keep_prefix(ids)
-        held = self._held
+        # `_held` is None (unknown) until the end, where Ctrl-C at any point leaves it
+        held, self._held = self._held, None
+        keep = self._keep_prefix(ids, held)
         try:
             gen = self.generation(ids[keep:], **options)
-        except TinyrtError:
-            self._held = held
-            raise
+        finally:
+            self._held = array("i", ids[:keep])     # (until the reply settles)
         gen.timings.cached_tokens = keep
         start = self.cache.next_pos
+        self._current = gen
         gen.on_done = lambda: self._settle(gen, ids, keep, start)
         return gen
 
-    def _keep_prefix(self, ids: list[int]) -> int:
-        """Roll the cache back to the longest common prefix of `ids` and what it holds, less the
-        last token of `ids` (a forward pass gives the next token's logits); returns its length."""
-        held = self._held
-        if held is None:
+    def _keep_prefix(self, ids: list[int], held: array | None) -> int:
+        """Roll the cache back to the longest common prefix of `ids` and `held`, what it holds,
+        less the last token of `ids` (a forward pass gives the next token's logits); returns its
+        length. A cache that holds something else (used outside `complete`) starts empty."""
+        if held is None or len(held) != self.cache.next_pos:
             self.reset()
             return 0
         n = min(len(held), len(ids) - 1)
@@ -205,13 +207,15 @@ class LLM:
             except ValueError:                   # it evicted what came after
                 self.reset()
                 return 0
-            del held[keep:]
         return keep
 
     def _settle(self, gen: Generation, ids: list[int], keep: int, start: int) -> None:
         """After a reply, complete or not: the tokens the cache holds. Those are the prompt when
         its first token was drawn, then one per later decode step; a pass cut short (Ctrl-C, an
         error) may have taken slots of its own, which are taken back."""
+        if gen is not self._current:             # (a reply closed after a later one began)
+            return
+        self._held = None
         t = gen.timings
         done = start + (len(gen.prompt) + t.decode_steps if t.ttft_s > 0 else 0)
         if self.cache.next_pos > done:
@@ -220,11 +224,9 @@ class LLM:
             except ValueError:                   # it evicted: start empty next time
                 self.reset()
                 return
-        if t.ttft_s > 0:
-            self._held = array("i", ids)
-            self._held.extend(gen.tokens[:t.decode_steps])
-        else:
-            self._held = array("i", ids[:keep])
+        held = array("i", ids if t.ttft_s > 0 else ids[:keep])
+        held.extend(gen.tokens[:t.decode_steps] if t.ttft_s > 0 else [])
+        self._held = held
 
     def reset(self) -> None:
         """Empty the KV cache (the next `complete` prefills its whole prompt)."""

@@ -421,10 +421,10 @@ class SinkCache(KVCache):
         self._rotate_sinks()
         return self._taken(slots, pos)
 
-    def _rotate_sinks(self) -> None:
-        """Rotate the sinks' cached keys to positions i + sink_shift (see the class), if they
-        are not rotated so already."""
-        n, shift = self.n_sink, self.sink_shift
+    def _rotate_sinks(self, shift: int | None = None) -> None:
+        """Rotate the sinks' cached keys to positions i + shift (default sink_shift: see the
+        class), if they are not rotated so already."""
+        n, shift = self.n_sink, self.sink_shift if shift is None else shift
         if not n or shift == self.rotated_shift:
             return
         be, inv_freq = self.backend, self.layout.inv_freq
@@ -463,6 +463,11 @@ class SinkCache(KVCache):
         self.slot_pos[slots] = -1
         self.length -= n
         self.next_pos -= n
+        if self.next_pos < self.n_sink and self.sink_keys is not None:
+            # sinks to come again: the kept ones back at their own positions, and the copies
+            # taken again (of the new sinks) once the window next moves
+            self._rotate_sinks(0)
+            self.sink_keys = self.sink_values = None
         used = np.flatnonzero(self.slot_pos >= 0)
         self.span = int(used[-1]) + 1 if used.size else 0
 
@@ -600,7 +605,7 @@ class H2OCache(SinkCache):
     def rollback(self, n: int) -> None:
         """Forget the last n appended tokens; refused once tokens were evicted (the scores of
         every token have moved since)."""
-        if not 0 <= n <= self.length or self.next_pos > self.capacity:
+        if not 0 <= n <= self.length or self.next_pos > self.size:
             raise ValueError(f"cannot roll back {n} tokens of an h2o cache that has evicted tokens")
         KVCache.rollback(self, n)
 

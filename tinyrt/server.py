@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import sys
 import threading
@@ -39,6 +40,7 @@ from .chat import conversation_template
 
 MAX_STOPS = 16
 DRAIN = 64 << 20
+MAX_BACKLOG = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -119,8 +121,25 @@ def sampling_options(body: dict, max_tokens: int) -> dict:
         frequency_penalty=_number(body, "frequency_penalty", -2, 2),
         seed=None if seed == -1 else seed,           # -1: a random seed, as llama.cpp has it
         stop=_stops(body.get("stop")),
-        ignore_eos=body.get("ignore_eos") is True)
+        ignore_eos=_flag(body, "ignore_eos"))
     return {k: v for k, v in opts.items() if v is not None}
+
+
+def _text(param: str, value: str) -> str:
+    """A string of the request, checked to be text (JSON's \\ud800 escapes decode to lone
+    surrogates, which no tokenizer takes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _invalid(param, "is not valid Unicode text (a lone surrogate)") from None
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if not isinstance(v, bool):
+        raise _invalid(name, "must be true or false")
+    return v
 
 
 def _stops(stop) -> list[str]:
@@ -131,7 +150,7 @@ def _stops(stop) -> list[str]:
             or len(stops) > MAX_STOPS:
         raise _invalid("stop", f"must be a string or a list of at most {MAX_STOPS} non-empty "
                                "strings")
-    return stops
+    return [_text("stop", x) for x in stops]
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -157,7 +176,7 @@ def chat_messages(body: dict) -> list[dict]:
         elif not isinstance(content, str):
             raise _invalid(where, "needs a string 'content'")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": _text(where, content)})
     return out
 
 
@@ -202,16 +221,26 @@ class Engine:
     def waiting(self) -> int:
         return len(self._jobs)
 
+    def check_room(self) -> None:
+        """503 when the queue is full (or the engine stopped)."""
+        if self._closed:
+            raise APIError(503, "the server is stopping", code="server_stopping")
+        if len(self._jobs) + self.running > self.max_queue:     # (one runs, the rest wait)
+            raise APIError(503, f"the server is busy: {len(self._jobs)} requests are waiting "
+                                "(the most it queues); try again shortly", code="server_busy")
+
     def submit(self, job: Job) -> None:
         with self._ready:
-            if self._closed:
-                raise APIError(503, "the server is stopping", code="server_stopping")
-            if len(self._jobs) + self.running > self.max_queue:     # (one runs, the rest wait)
-                raise APIError(503, f"the server is busy: {len(self._jobs)} requests are waiting "
-                                    "(the most it queues); try again shortly",
-                               code="server_busy")
+            self.check_room()
             self._jobs.append(job)
             self._ready.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The job's client has gone: it stops before its next token, or leaves the queue."""
+        job.cancel()
+        with self._ready:
+            if job in self._jobs:
+                self._jobs.remove(job)
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.run, name="tinyrt-engine", daemon=True)
@@ -251,7 +280,9 @@ class Engine:
         try:
             replies = iter(self.llm.complete(job.ids, **job.options))
             for r in replies:
-                if job.cancelled.is_set() or self._closed:
+                # a client that stopped reading a stream (its socket's buffers full) is let go
+                # once MAX_BACKLOG tokens wait for it
+                if job.cancelled.is_set() or self._closed or job.items.qsize() > MAX_BACKLOG:
                     break
                 job.put(r)
             job.put(None)
@@ -291,7 +322,7 @@ class Server:
                   Route("/v1/completions", self.completions, methods=["POST"])]
         return Starlette(routes=routes, lifespan=self._lifespan,
                          exception_handlers={APIError: self._error, 404: self._not_found,
-                                             405: self._not_allowed})
+                                             405: self._not_allowed, Exception: self._bug})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -321,6 +352,9 @@ class Server:
     async def _error(self, request: Request, exc: APIError) -> Response:
         return exc.response()
 
+    async def _bug(self, request: Request, exc: Exception) -> Response:
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
     async def _not_found(self, request: Request, exc) -> Response:
         return APIError(404, f"no such endpoint: {request.method} {request.url.path}",
                         code="not_found").response()
@@ -334,11 +368,14 @@ class Server:
             return
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or key.strip() != self.api_key:
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 self.api_key.encode()):
             raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
                            code="invalid_api_key")
 
     def _check_model(self, name) -> None:
+        if name is not None and not isinstance(name, str):
+            raise _invalid("model", "must be a string")
         if name is not None and name != self.name:
             raise APIError(404, f"the model {name!r} does not exist; this server has "
                                 f"{self.name!r}", param="model", code="model_not_found")
@@ -366,8 +403,9 @@ class Server:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         self._check_model(body.get("model"))
-        if not isinstance(body.get("stream", False), bool):
-            raise _invalid("stream", "must be true or false")
+        _flag(body, "stream")
+        if not isinstance(body.get("stream_options") or {}, dict):
+            raise _invalid("stream_options", "must be an object")
         return body
 
     # -- completions ----------------------------------------------------------------------------
@@ -380,6 +418,7 @@ class Server:
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         self._authorize(request)
+        self.engine.check_room()                     # (before reading and tokenizing a body)
         body = await self._body(request)
         options = sampling_options(body, self.llm.cache.capacity)
         if chat:
@@ -394,14 +433,13 @@ class Server:
                            code="context_length_exceeded")
         job = Job(asyncio.get_running_loop(), ids, options)
         self.engine.submit(job)
-        items = _items(request, job)
+        items = _items(request, job, self.engine)
         first = await anext(items, None)             # a refusal is a status, not a stream
         if first is None:                              # the client went away
             return Response(status_code=499)
         reply = Reply(self.name, chat, len(ids))
         if body.get("stream", False):
-            options = body.get("stream_options")
-            usage = isinstance(options, dict) and options.get("include_usage") is True
+            usage = (body.get("stream_options") or {}).get("include_usage") is True
             return StreamingResponse(reply.events(first, items, usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -432,14 +470,14 @@ class Server:
             raise _invalid("prompt", "must be a non-empty string, a list of one string, or a "
                                      "list of token ids")
         with self._prep:
-            return self.llm.prompt_ids(prompt, raw=True)
+            return self.llm.prompt_ids(_text("prompt", prompt), raw=True)
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-async def _items(request: Request, job: Job) -> AsyncIterator:
+async def _items(request: Request, job: Job, engine: Engine) -> AsyncIterator:
     """The job's Responses as the worker makes them; ends early (and cancels the job) when the
     client goes away; an APIError from the worker is raised."""
     gone = asyncio.ensure_future(_disconnect(request))
@@ -457,7 +495,7 @@ async def _items(request: Request, job: Job) -> AsyncIterator:
                 raise item
             yield item
     finally:
-        job.cancel()
+        engine.cancel(job)
         gone.cancel()
         if get is not None:
             get.cancel()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 
@@ -88,12 +89,18 @@ def main(args: argparse.Namespace) -> int:
     sys.setswitchinterval(1e-3)
     thread = threading.Thread(target=serve_http, name="tinyrt-http", daemon=True)
     thread.start()
-    try:
+    signal.signal(signal.SIGTERM, _interrupt)     # stop as for Ctrl-C (the web thread has
+    try:                                           # no handlers of its own)
         server.engine.run()
     finally:
+        server.engine.close()                      # waiting requests get their 503 now
         web.should_exit = True
         thread.join(timeout=10)
     return 0 if web.started else 1
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _url_host(host: str) -> str:
