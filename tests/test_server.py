@@ -14,7 +14,6 @@ import time
 import urllib.error
 import urllib.request
 
-import numpy as np
 import openai
 import pytest
 import uvicorn

@@ -26,7 +26,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
