@@ -19,7 +19,9 @@ and the CPU seconds the server and this client used during the load.
 
 turns: a conversation of 4 user turns (greedy, 64-token replies), each request carrying the
 whole history, against the same conversation in-process with `ChatSession` (run here while the
-server is idle). Per turn, medians over --runs fresh conversations: server TTFT (client-side),
+server is idle). The server is asked twice: with the openai client, and over plain HTTP
+(http.client, the JSON encoded first), which leaves out the openai package's own time per
+request (3-6 ms here). Per turn, medians over --runs fresh conversations: server TTFT (client-side),
 ChatSession TTFT (`send` called -> its first text, as the client times the server), their ratio, and the server's usage cached_tokens /
 prompt_tokens. (The server keeps its KV cache across conversations: its turn 1 finds the last
 conversation's turn 1 there; a new ChatSession starts empty.)
@@ -36,6 +38,7 @@ machine; `load` reports both sides' CPU time.
 import argparse
 import ast
 import asyncio
+import http.client
 import json
 import os
 import queue
@@ -137,6 +140,22 @@ def stream_chat(client, **kw) -> dict:
     return out
 
 
+def http_stream_chat(conn, **kw) -> dict:
+    """As stream_chat over a plain keep-alive HTTP connection (the JSON encoded before the clock
+    starts): the server's own time, without the openai package's work on each request."""
+    body = json.dumps({**kw, "stream": True}).encode()
+    out, t0 = {"times": [], "text": []}, time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"Content-Type": "application/json"})
+    for line in conn.getresponse():
+        if line.startswith(b"data: {"):
+            choices = json.loads(line[6:])["choices"]
+            if choices and choices[0]["delta"].get("content"):
+                out["times"].append(time.perf_counter() - t0)
+                out["text"].append(choices[0]["delta"]["content"])
+    return out
+
+
 async def astream_chat(client, **kw) -> dict:
     out, t0 = {"times": [], "text": [], "usage": None}, time.perf_counter()
     async for chunk in await client.chat.completions.create(**kw):
@@ -220,9 +239,10 @@ def turns(args) -> dict:
     import tinyrt
 
     llm = tinyrt.load(args.model, threads=args.threads, quiet=True)
-    rows = [{"server": [], "chat": [], "cached": [], "prompt": []} for _ in QUESTIONS]
+    rows = [{"server": [], "http": [], "chat": [], "cached": [], "prompt": []} for _ in QUESTIONS]
     with server(args) as (proc, url, name):
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        conn = http.client.HTTPConnection(*url.split("//")[1].split("/")[0].split(":"))
         stream_chat(client, **request_kw(name, [{"role": "user", "content": "Hello!"}], 8))
         for run in range(args.runs + 1):                  # run 0 warms the in-process path
             messages = []
@@ -234,6 +254,14 @@ def turns(args) -> dict:
                     rows[i]["server"].append(out["times"][0])
                     rows[i]["cached"].append(out["usage"].prompt_tokens_details.cached_tokens)
                     rows[i]["prompt"].append(out["usage"].prompt_tokens)
+            messages = []
+            for i, q in enumerate(QUESTIONS):                # the same through plain HTTP
+                messages.append({"role": "user", "content": q})
+                out = http_stream_chat(conn, model=name, messages=messages, max_tokens=64,
+                                       temperature=0)
+                messages.append({"role": "assistant", "content": "".join(out["text"])})
+                if run:
+                    rows[i]["http"].append(out["times"][0])
             chat = tinyrt.ChatSession(llm, max_tokens=64, temperature=0)   # the server is idle
             for i, q in enumerate(QUESTIONS):
                 start, first = time.perf_counter(), None
@@ -244,15 +272,17 @@ def turns(args) -> dict:
                     rows[i]["chat"].append(first)
     med = [{k: statistics.median(v) for k, v in row.items()} for row in rows]
     res = {"runs": args.runs, "turns": [
-        {"turn": i + 1, "server_ttft_ms": m["server"] * 1000, "chat_ttft_ms": m["chat"] * 1000,
-         "ratio": m["server"] / m["chat"],
+        {"turn": i + 1, "server_ttft_ms": m["server"] * 1000, "http_ttft_ms": m["http"] * 1000,
+         "chat_ttft_ms": m["chat"] * 1000, "ratio": m["server"] / m["chat"],
+         "http_ratio": m["http"] / m["chat"],
          "cached_tokens": m["cached"], "prompt_tokens": m["prompt"]} for i, m in enumerate(med)]}
     if not args.json:
         print(f"medians of {args.runs} conversations (ms)")
-        print("turn  server TTFT  chat TTFT  server/chat  cached/prompt tokens")
+        print("turn  openai TTFT  HTTP TTFT  chat TTFT  openai/chat  HTTP/chat  cached/prompt")
         for t in res["turns"]:
-            print(f"{t['turn']:4d}  {t['server_ttft_ms']:11.1f}  {t['chat_ttft_ms']:9.1f}  "
-                  f"{t['ratio']:11.2f}  {t['cached_tokens']:.0f}/{t['prompt_tokens']:.0f}")
+            print(f"{t['turn']:4d}  {t['server_ttft_ms']:11.1f}  {t['http_ttft_ms']:9.1f}  "
+                  f"{t['chat_ttft_ms']:9.1f}  {t['ratio']:11.2f}  {t['http_ratio']:9.2f}  "
+                  f"{t['cached_tokens']:.0f}/{t['prompt_tokens']:.0f}")
     return res
 
 
