@@ -86,3 +86,10 @@ def test_presence_and_frequency_penalties_count_the_window():
     assert sampler(x, [top] * 10) != top                       # greedy, pushed off its argmax
     with pytest.raises(TinyrtError):
         SamplingParams(presence_penalty=2.5)
+
+
+def test_a_tiny_temperature_is_the_greedy_limit():
+    x = _logits()
+    for t in (1e-320, 1e-30):
+        assert Sampler(SamplingParams(temperature=t, top_k=0, top_p=1.0, min_p=0.0))(x) == \
+            int(np.argmax(x))

@@ -67,7 +67,11 @@ def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: fl
 def filtered_probs(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """Candidate ids and their probabilities after temperature, top-k, top-p and min-p (temperature
     > 0). Probabilities sum to 1, ids are sorted by decreasing probability."""
-    x = logits.astype(np.float64) / p.temperature
+    # the largest logit subtracted first: a tiny temperature then takes the others to -inf (the
+    # greedy limit), where dividing first overflowed to inf - inf = NaN
+    x = logits.astype(np.float64)
+    with np.errstate(over="ignore"):
+        x = (x - x.max()) / p.temperature
     if 0 < p.top_k < len(x):
         ids = np.argpartition(-x, p.top_k - 1)[:p.top_k]
     else:
