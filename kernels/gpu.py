@@ -2,8 +2,10 @@
 
 Each kernel computes what its NumPy reference (kernels.reference, quant) computes, and is
 tested against it on fresh random inputs in Numba's CUDA simulator, where CI runs them (no GPU
-there). Arrays are anything with the CUDA array interface: torch tensors on the GPU, shared with
-the kernels without copies; NumPy arrays in the simulator. Activations are float32; quantized
+there). Arrays are torch tensors on the GPU, shared with the kernels without copies through
+the CUDA array interface; in the simulator, torch tensors in host memory, which `_launch` hands
+the kernels as NumPy views (the tests also give the launchers NumPy arrays). Kernels launch on
+torch's current stream and are compiled once per machine (`cache=True`). Activations are float32; quantized
 weights are read in the runtime's one form (kernels.quant), their codes as int32 words along
 each output row, never dequantized to memory for a token. A quantized KV cache (kernels.kv_quant)
 is written by one kernel, its pool's bookkeeping included, and read in place by decode attention;
@@ -57,7 +59,7 @@ else:
     _mul_rn, _add_rn = libdevice.fmul_rn, libdevice.fadd_rn
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def q_gemv(x, codes, scale, offset, bits, y):
     """y [out] = x [in] @ W.T for a quantized layer (kernels.quant): codes int32 [out, in*bits/32]
     (word c of row o holds inputs n c .. n c + n - 1, n = 32 / bits, input n c + t at bit
@@ -93,7 +95,7 @@ def q_gemv(x, codes, scale, offset, bits, y):
         y[o] = total
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def gemv(x, w, y):
     """y [out] = x [in] @ w.T for float weights w [out, in] (float16 or float32): the LM head of
     a float model. Block (LANES, ROWS): a warp per output row, its lanes taking every LANES-th
@@ -132,7 +134,7 @@ def _block_reduce(part, tid, value, take_max):
     return result
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rmsnorm(x, w, eps, y):
     """y [T, H] = x / sqrt(mean(x**2) + eps) * w; one block per row."""
     t, tid = cuda.blockIdx.x, cuda.threadIdx.x
@@ -146,7 +148,7 @@ def rmsnorm(x, w, eps, y):
         y[t, i] = x[t, i] * inv * w[i]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rope(x, cos, sin, y):
     """y [T, N, D] = x rotated by cos/sin [T, D/2], HF rotate-half pairs (i, i + D/2)."""
     k = cuda.grid(1)
@@ -161,7 +163,7 @@ def rope(x, cos, sin, y):
         y[t, n, i + half] = x2 * c + x1 * s
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def silu_mul(gu, y):
     """y [T, I] = silu(gate) * up of the fused gate/up output gu [T, 2I] (gate first)."""
     k = cuda.grid(1)
@@ -172,7 +174,7 @@ def silu_mul(gu, y):
         y[t, i] = g / (float32(1) + math.exp(min(-g, float32(88)))) * gu[t, I + i]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def store_kv(k_buf, v_buf, slots, k, v, top):
     """k, v float32 [T, G, D] -> cache buffers [G, C, D] at KV head g's slots slots[g] ([G, T]),
     clamped to +-top (the largest finite float16 for a float16 cache)."""
@@ -219,7 +221,7 @@ def _add_score(score, probs, g, h, S, tid, inv):
             cuda.atomic.add(score, (g, s), probs[h, s] * inv)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def attention_decode(q, k, v, q_pos, k_pos, scale, window, score, probs, out):
     """One query per head q [Q, D] over the cache buffers k, v [G, C, D], slots [0, S) of which
     hold positions k_pos [G, S] (-1: free), in any order; window <= 0: none. One block per query
@@ -415,7 +417,7 @@ def _free_entry(owner, stamp, pin, n):
     return e
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def store_kv_q(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v):
     """kv_quant.store_kv on the device, its bookkeeping included (no step leaves the device):
     k, v float32 [T, N, D] -> row n's slots slots[n] ([N, T]) of a quantized cache (kc..stamp:
@@ -463,7 +465,7 @@ def store_kv_q(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v):
         cuda.syncthreads()       # the row written before a later token's seal reads the entry
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def dequantize_kv(kc, ks, vc, vs, fk, fv, where, k_out, v_out):
     """kv_quant.dequantize: slots [0, S) of every row of a quantized cache (a QuantKV's first
     arrays) as float32 k_out, v_out [N, S, D]; one thread per element."""
@@ -483,7 +485,7 @@ def dequantize_kv(kc, ks, vc, vs, fk, fv, where, k_out, v_out):
             v_out[n, s, d] = _value(vc, vs, n, s, d, bits)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def attention_decode_q(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, window, score,
                        probs, out):
     """attention_decode over a quantized cache of G rows (kc..where: a QuantKV's first arrays),
@@ -532,59 +534,85 @@ def _blocks(n: int, per: int) -> int:
     return max(1, (n + per - 1) // per)
 
 
+def _size(a) -> int:
+    """Elements of a NumPy array or a torch tensor (whose `size` is a method)."""
+    return math.prod(a.shape)
+
+
+_streams: dict = {}
+
+
+def _launch(kernel, grid, block, *args) -> None:
+    """Every launch, on torch's current stream: the GPU runs the kernels in torch's order, and
+    a CUDA graph that torch captures sees them. Numba's CUDA simulator has no streams and takes
+    NumPy arrays: there a torch tensor goes in as a NumPy view of its memory (the kernel's
+    writes land in it), and the rest is the same code."""
+    if _SIM:
+        kernel[grid, block](*(a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray)
+                              else a for a in args))
+        return
+    import torch
+
+    handle = torch.cuda.current_stream().cuda_stream
+    stream = _streams.get(handle)
+    if stream is None:
+        stream = _streams[handle] = cuda.external_stream(handle)
+    kernel[grid, block, stream](*args)
+
+
 def launch_q_gemv(x, w, y) -> None:
     """y [out] = x [in] @ W.T for a GpuQuant w."""
-    q_gemv[_blocks(w.codes.shape[0], ROWS), (LANES, ROWS)](x, w.codes, w.scale, w.offset,
-                                                            w.bits, y)
+    _launch(q_gemv, _blocks(w.codes.shape[0], ROWS), (LANES, ROWS), x, w.codes, w.scale,
+            w.offset, w.bits, y)
 
 
 def launch_gemv(x, w, y) -> None:
-    gemv[_blocks(w.shape[0], ROWS), (LANES, ROWS)](x, w, y)
+    _launch(gemv, _blocks(w.shape[0], ROWS), (LANES, ROWS), x, w, y)
 
 
 def launch_rmsnorm(x, w, eps: float, y) -> None:
-    rmsnorm[x.shape[0], THREADS](x, w, np.float32(eps), y)
+    _launch(rmsnorm, x.shape[0], THREADS, x, w, np.float32(eps), y)
 
 
 def launch_rope(x, cos, sin, y) -> None:
     T, N, D = x.shape
-    rope[_blocks(T * N * (D // 2), THREADS), THREADS](x, cos, sin, y)
+    _launch(rope, _blocks(T * N * (D // 2), THREADS), THREADS, x, cos, sin, y)
 
 
 def launch_silu_mul(gu, y) -> None:
-    silu_mul[_blocks(y.shape[0] * y.shape[1], THREADS), THREADS](gu, y)
+    _launch(silu_mul, _blocks(y.shape[0] * y.shape[1], THREADS), THREADS, gu, y)
 
 
 def launch_store_kv(k_buf, v_buf, slots, k, v) -> None:
     top = np.float32(HALF_MAX if str(k_buf.dtype).endswith("float16") else np.inf)   # numpy or torch
-    store_kv[_blocks(k.size, THREADS), THREADS](k_buf, v_buf, slots, k, v, top)
+    _launch(store_kv, _blocks(_size(k), THREADS), THREADS, k_buf, v_buf, slots, k, v, top)
 
 
 def launch_attention_decode(q, k, v, q_pos: int, k_pos, scale: float, window: int, score,
                             probs, out) -> None:
-    attention_decode[q.shape[0], THREADS](q, k, v, q_pos, k_pos, np.float32(scale), window,
-                                          score, probs, out)
+    _launch(attention_decode, q.shape[0], THREADS, q, k, v, q_pos, k_pos, np.float32(scale),
+            window, score, probs, out)
 
 
 def launch_store_kv_q(store: kv_quant.QuantKV, slots, k, v) -> None:
     """kv_quant.store_kv of k, v [T, N, D] at slots [N, T] into the store's N rows."""
     if max(store.block, store.head_dim) > MAX_CODES:
         raise ValueError(f"a quantized cache's block and head dim must be at most {MAX_CODES}")
-    store_kv_q[slots.shape[0], THREADS](*store[:-1], store.pin, slots, k, v)
+    _launch(store_kv_q, slots.shape[0], THREADS, *store[:-1], store.pin, slots, k, v)
 
 
 def launch_dequantize_kv(store: kv_quant.QuantKV, k_out, v_out) -> None:
     N, S, D = k_out.shape
-    dequantize_kv[_blocks(N * S * D, THREADS), THREADS](*store[:7], k_out, v_out)
+    _launch(dequantize_kv, _blocks(N * S * D, THREADS), THREADS, *store[:7], k_out, v_out)
 
 
 def launch_attention_decode_q(q, store: kv_quant.QuantKV, q_pos: int, k_pos, scale: float,
                               window: int, score, probs, out) -> None:
-    attention_decode_q[q.shape[0], THREADS](q, *store[:7], q_pos, k_pos, np.float32(scale),
-                                            window, score, probs, out)
+    _launch(attention_decode_q, q.shape[0], THREADS, q, *store[:7], q_pos, k_pos,
+            np.float32(scale), window, score, probs, out)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def q_dequantize(codes, scale, offset, bits, dst):
     """dst [in, out] = W.T of a quantized layer (as q_gemv reads it), for a prompt's matmul; one
     thread per word: its 32 / bits inputs of one output."""
@@ -600,8 +628,8 @@ def q_dequantize(codes, scale, offset, bits, dst):
 
 
 def launch_q_dequantize(w, dst) -> None:
-    q_dequantize[_blocks(w.codes.shape[0] * w.codes.shape[1], THREADS), THREADS](
-        w.codes, w.scale, w.offset, w.bits, dst)
+    _launch(q_dequantize, _blocks(w.codes.shape[0] * w.codes.shape[1], THREADS), THREADS,
+            w.codes, w.scale, w.offset, w.bits, dst)
 
 
 class GpuQuant(NamedTuple):
@@ -621,7 +649,8 @@ class GpuQuant(NamedTuple):
 class CudaBackend(reference.ReferenceBackend):
     """The decoder's ops on the kernels above. Device arrays are torch tensors on the GPU (the
     kernels read them through the CUDA array interface, no copies); in Numba's CUDA simulator
-    they are NumPy arrays, so that the whole backend runs, slowly, where there is no GPU.
+    torch tensors in host memory, so that the whole backend runs, slowly and as it does on a
+    GPU, where there is none.
     Weights are uploaded once, at load: quantized layers as kernels.quant holds them, float
     weights as float16.
     Host inputs (positions, RoPE tables, the sinks' keys) are copied up where an op takes them.
@@ -632,39 +661,37 @@ class CudaBackend(reference.ReferenceBackend):
     quantized_kv = True      # float16, float32 and kv_quant caches
 
     def __init__(self):
-        self.sim = bool(numba.config.ENABLE_CUDASIM)
-        if not self.sim:
-            import torch
+        import torch
 
-            self.torch = torch
-            self._types = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
-                           np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
-                           np.dtype(np.uint8): torch.uint8}
+        self.torch = torch
+        # in Numba's CUDA simulator the tensors live in host memory, and `_launch` hands the
+        # kernels NumPy views of them: the rest of the backend is the code the GPU runs
+        self.device = "cpu" if _SIM else "cuda"
+        self._types = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+                       np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+                       np.dtype(np.uint8): torch.uint8}
 
     # -- memory ----------------------------------------------------------------------------------
 
     def dev(self, a, dtype=np.float32):
-        """A contiguous device array of `a` (host or device) as `dtype`."""
-        if self.sim:     # (the simulator writes every array back after a launch)
-            a = np.ascontiguousarray(a, dtype)
-            return a if a.flags.writeable else a.copy()
+        """A contiguous device tensor of `a` (host array or tensor) as `dtype`; a host array is
+        copied."""
         t = self._types[np.dtype(dtype)]
         if isinstance(a, self.torch.Tensor):
-            return a.to(device="cuda", dtype=t).contiguous()
-        return self.torch.as_tensor(np.ascontiguousarray(a, dtype), device="cuda")
+            return a.to(device=self.device, dtype=t).contiguous()
+        return self.torch.tensor(np.ascontiguousarray(a, dtype), device=self.device)
 
     def empty(self, shape, dtype=np.float32):
-        if self.sim:
-            return np.empty(shape, dtype)
-        return self.torch.empty(shape, dtype=self._types[np.dtype(dtype)], device="cuda")
+        return self.torch.empty(shape, dtype=self._types[np.dtype(dtype)], device=self.device)
 
     def zeros(self, shape, dtype=np.float32):
-        if self.sim:
-            return np.zeros(shape, dtype)
-        return self.torch.zeros(shape, dtype=self._types[np.dtype(dtype)], device="cuda")
+        return self.torch.zeros(shape, dtype=self._types[np.dtype(dtype)], device=self.device)
 
     def to_numpy(self, x) -> np.ndarray:
-        return x if isinstance(x, np.ndarray) else x.float().cpu().numpy()
+        """A host copy as float32."""
+        if isinstance(x, np.ndarray):
+            return x
+        return x.detach().to("cpu", self.torch.float32, copy=True).numpy()
 
     def _matmul(self, x, w_t):
         """x [T, in] @ w_t [in, out] on the device (cuBLAS through torch)."""
@@ -698,9 +725,7 @@ class CudaBackend(reference.ReferenceBackend):
     # -- ops -------------------------------------------------------------------------------------
 
     def embedding(self, table, ids):
-        if self.sim:
-            return table[ids].astype(np.float32)
-        return table[self.torch.as_tensor(ids, device="cuda")].float()
+        return table[self.torch.as_tensor(np.asarray(ids, np.int64), device=self.device)].float()
 
     def linear(self, x, w):
         x = self.dev(x)
@@ -795,4 +820,9 @@ def unavailable() -> str | None:
         return "PyTorch sees no CUDA GPU (no device, no driver, or a CPU-only build of torch)"
     if not cuda.is_available():
         return "Numba sees no CUDA GPU (is the CUDA driver installed?)"
+    from numba.cuda.cudadrv import nvvm
+
+    if not nvvm.is_available():      # (the kernels compile through it; torch's wheels lack it)
+        return ("Numba finds no libNVVM to compile the CUDA kernels with (torch's wheels do not "
+                "ship it): install the CUDA toolkit, or set CUDA_HOME to one")
     return None
