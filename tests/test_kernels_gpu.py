@@ -98,6 +98,59 @@ def test_attention_decode(ratio, window, dtype, h2o):
         assert rel_err(out[4], want_score) < 1e-6
 
 
+@pytest.fixture
+def gpu_shapes(monkeypatch):
+    """The launch shapes a GPU gets: warps of 32 lanes, 8 rows and 128 threads a block (the
+    simulator's own are smaller, for its speed; the kernels are written for both)."""
+    monkeypatch.setattr(gpu, "LANES", 32)
+    monkeypatch.setattr(gpu, "ROWS", 8)
+    monkeypatch.setattr(gpu, "THREADS", 128)
+
+
+def test_kernels_at_the_gpu_s_launch_shapes(gpu_shapes):
+    be = gpu.CudaBackend()
+    w = random_quant(20, 256, 4, 32, True, rng)
+    x = rng.standard_normal(256).astype(np.float32)
+    y = be.empty(20)
+    gpu.launch_q_gemv(x, be.prepare_linear([w]), y)
+    assert rel_err(be.to_numpy(y), ref.linear(x[None], quant.dequantize(w))[0]) < 1e-5
+    x = rng.standard_normal((2, 300)).astype(np.float32)
+    g = rng.standard_normal(300).astype(np.float32)
+    (y,) = run(lambda x, w, y: gpu.launch_rmsnorm(x, w, 1e-5, y), x, g, np.empty_like(x))[-1:]
+    assert rel_err(y, ref.rmsnorm(x, g, 1e-5)) < 1e-5
+    G, D, S, q_pos = 1, 16, 200, 250
+    q = rng.standard_normal((2, D)).astype(np.float32)          # two query heads, one KV head
+    k, v = (rng.standard_normal((G, S, D)).astype(np.float32) for _ in range(2))
+    k_pos = np.arange(S)[None] + 10
+    want = ref.attention(q[None], k, v, np.array([q_pos]), k_pos, 0.25, None, None)[0]
+    out = run(lambda q, k, v, kp, sc, pr, o: gpu.launch_attention_decode(
+        q, k, v, q_pos, kp, 0.25, 0, sc, pr, o),
+        q, k, v, k_pos, np.zeros((G, 0), np.float32), np.empty((2, S), np.float32),
+        np.empty((2, D), np.float32))
+    assert rel_err(out[-1], want) < 1e-5
+
+
+def test_a_float16_cache_at_the_gpu_s_launch_shapes(tmp_path, gpu_shapes):
+    """The decoder over a float16 KV cache, as a GPU runs it: the backend's tensors through the
+    launchers at the GPU's launch shapes, against the reference over the same cache type."""
+    from helpers import write_tiny_model
+
+    from tinyrt.kernels import get_backend
+    from tinyrt.kv_cache import CacheOptions, make_cache
+    from tinyrt.models import load_model
+
+    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=32, intermediate_size=64,
+                                                     num_attention_heads=4, num_hidden_layers=1))
+    fast, slow = (load_model(d, get_backend(dev)) for dev in ("cuda", "reference"))
+    caches = [make_cache(CacheOptions("dense", 16, "f16"), m) for m in (fast, slow)]
+    ids = rng.integers(0, fast.config.vocab_size, 6)
+    a, b = (m.forward(ids[:4], cache, all_logits=True) for m, cache in zip((fast, slow), caches))
+    assert rel_err(fast.backend.to_numpy(a), b) < 3e-3
+    for t in ids[4:]:
+        a, b = (m.forward([t], cache) for m, cache in zip((fast, slow), caches))
+        assert rel_err(fast.backend.to_numpy(a), b) < 3e-3
+
+
 def _fresh_rng():
     """A generator of fresh random inputs whose seed a failure prints (pytest shows stdout)."""
     seed = int(np.random.SeedSequence().entropy % 2 ** 32)
