@@ -39,3 +39,15 @@ def test_bench_of_a_4bit_model(tmp_path):
     norms = sum(L.input_norm.nbytes + L.post_norm.nbytes for L in q.model.layers) + q.model.norm.nbytes
     head = q.model.lm_head
     assert bench.weight_bytes(q.model) == packed + norms + head.q.nbytes + head.s.nbytes
+
+
+def test_bench_counts_the_cuda_backend_s_tensors(tmp_path):
+    """On the CUDA backend (Numba's simulator here) the weights are torch tensors: float layers
+    and head as float16, half the bytes of the CPU's float32, the norms alike."""
+    cfg = tiny_config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_hidden_layers=1)
+    d = write_tiny_model(tmp_path / "m", cfg)
+    cpu, gpu = (tinyrt.LLM(d, device=dev, dtype="f32").model for dev in ("cpu", "cuda"))
+    names = ("qkv", "o", "gate_up", "down")
+    floats = sum(getattr(L, n).nbytes for L in cpu.layers for n in names) + cpu.lm_head.nbytes
+    assert bench.weight_bytes(gpu) == bench.weight_bytes(cpu) - floats // 2 > 0

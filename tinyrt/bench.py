@@ -17,11 +17,11 @@ def weight_bytes(model) -> int:
     """Bytes of prepared weights one decoded token reads: every layer and the LM head (the
     embedding reads one row)."""
     def nbytes(w) -> int:
-        if isinstance(w, np.ndarray):
-            return w.nbytes
         if w is None:
             return 0
-        return sum(p.nbytes for p in w if isinstance(p, np.ndarray))   # a NamedTuple of arrays
+        if hasattr(w, "nbytes"):          # a NumPy array, a torch tensor (CUDA), a QLinear
+            return int(w.nbytes)
+        return sum(int(p.nbytes) for p in w if hasattr(p, "nbytes"))   # a NamedTuple of arrays
 
     layers = sum(nbytes(w) for L in model.layers for w in vars(L).values())
     return layers + nbytes(model.lm_head) + nbytes(model.norm)
