@@ -688,10 +688,10 @@ class CudaBackend(reference.ReferenceBackend):
         return self.torch.zeros(shape, dtype=self._types[np.dtype(dtype)], device=self.device)
 
     def to_numpy(self, x) -> np.ndarray:
-        """A host copy as float32."""
+        """A host copy, of the same dtype (as the reference backend's arrays are)."""
         if isinstance(x, np.ndarray):
             return x
-        return x.detach().to("cpu", self.torch.float32, copy=True).numpy()
+        return x.detach().to("cpu", copy=True).numpy()
 
     def _matmul(self, x, w_t):
         """x [T, in] @ w_t [in, out] on the device (cuBLAS through torch)."""
