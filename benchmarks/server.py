@@ -235,6 +235,17 @@ def load(args) -> dict:
 
 # -- turns -------------------------------------------------------------------------------------
 
+def conversation(ask) -> list[dict]:
+    """QUESTIONS as one conversation, each request `ask(messages)` carrying the whole history
+    (the replies as received); each turn's output."""
+    messages, outs = [], []
+    for q in QUESTIONS:
+        messages.append({"role": "user", "content": q})
+        outs.append(ask(messages))
+        messages.append({"role": "assistant", "content": "".join(outs[-1]["text"])})
+    return outs
+
+
 def turns(args) -> dict:
     import tinyrt
 
@@ -245,23 +256,15 @@ def turns(args) -> dict:
         conn = http.client.HTTPConnection(*url.split("//")[1].split("/")[0].split(":"))
         stream_chat(client, **request_kw(name, [{"role": "user", "content": "Hello!"}], 8))
         for run in range(args.runs + 1):                  # run 0 warms the in-process path
-            messages = []
-            for i, q in enumerate(QUESTIONS):
-                messages.append({"role": "user", "content": q})
-                out = stream_chat(client, **request_kw(name, messages, 64))
-                messages.append({"role": "assistant", "content": "".join(out["text"])})
+            served = conversation(lambda m: stream_chat(client, **request_kw(name, m, 64)))
+            plain = conversation(lambda m: http_stream_chat(conn, model=name, messages=m,
+                                                            max_tokens=64, temperature=0))
+            for i, (out, http_out) in enumerate(zip(served, plain)):
                 if run:
                     rows[i]["server"].append(out["times"][0])
+                    rows[i]["http"].append(http_out["times"][0])
                     rows[i]["cached"].append(out["usage"].prompt_tokens_details.cached_tokens)
                     rows[i]["prompt"].append(out["usage"].prompt_tokens)
-            messages = []
-            for i, q in enumerate(QUESTIONS):                # the same through plain HTTP
-                messages.append({"role": "user", "content": q})
-                out = http_stream_chat(conn, model=name, messages=messages, max_tokens=64,
-                                       temperature=0)
-                messages.append({"role": "assistant", "content": "".join(out["text"])})
-                if run:
-                    rows[i]["http"].append(out["times"][0])
             chat = tinyrt.ChatSession(llm, max_tokens=64, temperature=0)   # the server is idle
             for i, q in enumerate(QUESTIONS):
                 start, first = time.perf_counter(), None

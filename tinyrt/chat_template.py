@@ -11,6 +11,7 @@ exponents, so that a hostile template fails cleanly instead of hanging or fillin
 from __future__ import annotations
 
 import json
+import threading
 from datetime import datetime
 from typing import Any
 
@@ -70,6 +71,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         env.globals["range"] = self._range       # budgeted: reset by each render
+        self._local = threading.local()          # (each thread's render has its own budget)
         try:
             self.template = env.from_string(source)
         except TemplateError as e:
@@ -88,7 +90,7 @@ class ChatTemplate:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                     or not isinstance(m.get("content"), str):
                 raise ChatTemplateError("each message needs a string 'role' and 'content'")
-        self._budget = RANGE_BUDGET
+        self._local.budget = RANGE_BUDGET
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
@@ -104,8 +106,8 @@ class ChatTemplate:
         from jinja2.sandbox import safe_range
 
         r = safe_range(*args)
-        self._budget -= len(r)
-        if self._budget < 0:
+        self._local.budget -= len(r)
+        if self._local.budget < 0:
             raise ChatTemplateError(f"the chat template loops over more than {RANGE_BUDGET} "
                                     "items")
         return r

@@ -207,8 +207,8 @@ class Engine:
 
     `run` in the thread that ran the model before (the CLI's main thread, which loaded it): the
     CPU kernels' OpenMP threads belong to the first thread that ran a parallel kernel, and a
-    second thread's kernels start their threads several times slower (a 135M model's token took
-    2.6x as long). `start` runs it in a thread of its own, for a model that has not run yet."""
+    second thread's kernels start their threads several times slower. `start` runs it in a
+    thread of its own, for a model that has not run yet."""
 
     def __init__(self, llm, max_queue: int):
         self.llm, self.max_queue = llm, max_queue
@@ -312,7 +312,6 @@ class Server:
         self.created = int(time.time())
         self.template, self.template_stops = conversation_template(llm)
         self.engine = Engine(llm, max_queue)
-        self._prep = threading.Lock()            # (a template render keeps a loop budget)
 
     def app(self) -> Starlette:
         routes = [Route("/health", self.health, methods=["GET"]),
@@ -450,12 +449,11 @@ class Server:
         return JSONResponse(reply.whole("".join(text), last))
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
-        with self._prep:
-            try:
-                text = self.template.render(messages, add_generation_prompt=True)
-                return self.llm.tokenizer.encode(text, add_special=False)
-            except TinyrtError as e:
-                raise APIError(400, str(e), param="messages") from None
+        try:
+            text = self.template.render(messages, add_generation_prompt=True)
+        except TinyrtError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return self.llm.tokenizer.encode(text, add_special=False)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -469,8 +467,7 @@ class Server:
         if not isinstance(prompt, str) or not prompt:
             raise _invalid("prompt", "must be a non-empty string, a list of one string, or a "
                                      "list of token ids")
-        with self._prep:
-            return self.llm.prompt_ids(_text("prompt", prompt), raw=True)
+        return self.llm.prompt_ids(_text("prompt", prompt), raw=True)
 
 
 def _no_constant(name: str):

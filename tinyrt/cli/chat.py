@@ -34,15 +34,13 @@ def add_parser(sub) -> None:
                        description="Chat with a model. In a terminal: line editing, history, "
                                    "/help for commands, Ctrl-C stops a reply, Ctrl-D quits. With "
                                    "stdin not a terminal: one user turn per line.")
-    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m")
-    add_model_option(p)
+    add_model_option(p, positional=True)
     add_generation_options(p)
 
 
 def main(args: argparse.Namespace) -> int:
     import tinyrt
 
-    args.model = args.model or args.model_pos
     llm = load_llm(args)
     options = generation_kwargs(args)
     session = tinyrt.ChatSession(llm, system=options.pop("system"), **options)

@@ -7,10 +7,19 @@ import argparse
 from tinyrt.kernels import DEVICES
 
 
-def add_model_option(p: argparse.ArgumentParser) -> None:
+def add_model_option(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    """-m/--model, and with `positional` an optional MODEL argument meaning the same
+    (`model_spec` reads either)."""
+    if positional:
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m")
     p.add_argument("-m", "--model", default=None,
                    help="model directory, GGUF file, HF directory or known name "
                         "(default: the default model)")
+
+
+def model_spec(args: argparse.Namespace):
+    """The MODEL given with -m or as the positional argument (None: the default model)."""
+    return args.model or getattr(args, "model_pos", None)
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
@@ -108,7 +117,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
 def load_llm(args: argparse.Namespace):
     import tinyrt
 
-    return tinyrt.load(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
+    return tinyrt.load(model_spec(args), device=args.device, threads=args.threads, dtype=args.dtype,
                        draft=args.draft,
                        draft_tokens=args.draft_tokens, cache=cache_options(args))
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tinyrt.errors import TinyrtError
 
-from .options import add_cache_options, add_model_option, add_runtime_options, cache_options
+from .options import (add_cache_options, add_model_option, add_runtime_options, cache_options,
+                      model_spec)
 
 
 def add_parser(sub) -> None:
@@ -17,8 +18,7 @@ def add_parser(sub) -> None:
                                    "whole, non-overlapping windows of --ctx tokens. With --stream, "
                                    "the StreamingLLM protocol: the text fed one token at a time "
                                    "through a KV cache of --kv-policy and --kv-size.")
-    add_model_option(p)
-    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m")
+    add_model_option(p, positional=True)
     p.add_argument("--text", required=True, metavar="FILE")
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--max-windows", type=int, default=None)
@@ -40,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
         text = Path(args.text).read_text(encoding="utf-8")
     except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
         raise TinyrtError(f"cannot read {args.text}: {type(e).__name__}") from None
-    llm = tinyrt.load(args.model or args.model_pos, device=args.device, threads=args.threads,
+    llm = tinyrt.load(model_spec(args), device=args.device, threads=args.threads,
                       dtype=args.dtype, kv_type=args.kv_type, kv_group=args.kv_group,
                       kv_residual=args.kv_residual)
     bar = Progress(TextColumn("ppl"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

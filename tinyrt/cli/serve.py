@@ -11,7 +11,7 @@ import threading
 from tinyrt.errors import TinyrtError
 
 from .options import (add_cache_options, add_draft_options, add_model_option, add_runtime_options,
-                      load_llm)
+                      load_llm, model_spec)
 
 MAX_QUEUE = 64            # requests waiting for the engine
 MAX_BODY = 4 << 20        # bytes of a request body (a whole context of text is far less)
@@ -23,8 +23,7 @@ def add_parser(sub) -> None:
                                    "/v1/completions, /v1/models, /health), one generation at a "
                                    "time, the others waiting in a queue. Needs "
                                    'pip install "tinyrt[server]".')
-    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m")
-    add_model_option(p)
+    add_model_option(p, positional=True)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: "
                         "every network the machine is on)")
@@ -54,14 +53,13 @@ def main(args: argparse.Namespace) -> int:
             from None
     from tinyrt.registry import DEFAULT_MODEL
 
-    args.model = args.model or args.model_pos
     if not 0 <= args.port <= 65535:
         raise TinyrtError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0 or args.max_body < 1:
         raise TinyrtError("--max-queue must be >= 0 and --max-body >= 1")
     api_key = args.api_key or os.environ.get("TINYRT_API_KEY") or None
     llm = load_llm(args)
-    name = args.alias or (str(args.model) if args.model else DEFAULT_MODEL)
+    name = args.alias or str(model_spec(args) or DEFAULT_MODEL)
     server = Server(llm, name, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=3)
