@@ -64,7 +64,7 @@ def tinyrt_cpu(args, ids):
     from tinyrt.bench import timed_runs
 
     llm = tinyrt.load(args.model, device="cpu", threads=args.threads, kv_size=4096)
-    return timed_runs(llm.model, llm.cache, np.array(ids), args.decode, args.runs)
+    return timed_runs(llm, np.array(ids), args.decode, args.runs)[:2]
 
 
 ENGINES = {"tinyrt": tinyrt_cpu, "llama.cpp": llama_cpp, "transformers": hf}

@@ -195,8 +195,7 @@ class Tinyrt:
 
         from tinyrt.bench import timed_runs      # what `tinyrt bench` times (8-token warm-up first)
 
-        ttft, step = timed_runs(self.llm.model, self.llm.cache, np.asarray(ids, dtype=np.int64),
-                                decode, 1)
+        ttft, step, _ = timed_runs(self.llm, np.asarray(ids, dtype=np.int64), decode, 1)
         return ttft[0], step[0]
 
 

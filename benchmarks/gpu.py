@@ -9,17 +9,20 @@ and head, a byte-level tokenizer (the prompts are random ids). They are written 
 tinyrt's cache, or --default-model. Nothing is downloaded.
 
 For each model and context C (--contexts), tinyrt (`tinyrt.load(MODEL, device=..., kv_size=...)`,
-tinyrt.bench.timed_runs) prefills C random token ids into an empty cache (prefill tok/s = C / that
-time, the last token's logits and argmax included), then decodes --decode-tokens greedy tokens
-after them (decode tok/s); medians of --runs runs, after a warm-up run that compiles the kernels.
+tinyrt.bench.timed_runs: the generation loop a reply runs) prefills C random token ids into an
+empty cache (prefill tok/s = C / that time, the last token's logits and its draw included), then
+decodes --decode-tokens greedy tokens after them (decode tok/s: on a GPU the decode steps run on
+the device, replayed as one CUDA graph after an eager first step and the capture, both counted;
+--no-cuda-graph runs them eagerly); medians of --runs runs, after a warm-up run that compiles
+the kernels.
 GB/s is the bytes one decoded token reads (the prepared weights as tinyrt/bench.py counts them,
 the embedding left out, plus the KV cache at its mean length over the decode) times decode tok/s,
 shown as a share of the device's copy bandwidth (a 1 GiB torch tensor copied device to device,
 read plus write counted). The peer is transformers' LlamaForCausalLM of the same shape with random
 init in float16 (float32 on --device cpu), run eagerly (no compile, no CUDA graph; attention
 --hf-attn, sdpa by default) on the same ids, greedy one token at a time on its KV cache
-(use_cache=True), timed the same way (its argmax stays on the GPU between steps, where tinyrt's
-logits go to the host each token). A shape whose weights and cache would not fit in the GPU's
+(use_cache=True), timed the same way (its argmax stays on the GPU between steps; tinyrt's token
+id crosses to the host each step, as a streamed reply needs). A shape whose weights and cache would not fit in the GPU's
 free memory is skipped with a note. If one engine fails, its error is reported and the other's
 figures still stand.
 
@@ -221,7 +224,7 @@ def bench_tinyrt(path: Path, args, contexts: list[int]) -> tuple[dict, dict]:
     from tinyrt.bench import timed_runs
 
     llm = tinyrt.load(str(path), device=args.device, threads=args.threads, quiet=True,
-                      kv_size=max(contexts) + args.decode_tokens + 8)
+                      cuda_graph=args.cuda_graph, kv_size=max(contexts) + args.decode_tokens + 8)
     model, cache, c = llm.model, llm.cache, llm.config
     shape = {k: getattr(c, k) for k in (*SHAPES["llama2-7b"], "tie_word_embeddings")}
     w_bytes = weight_bytes(model)
@@ -229,11 +232,11 @@ def bench_tinyrt(path: Path, args, contexts: list[int]) -> tuple[dict, dict]:
         from tinyrt.bench import weight_bytes as theirs
 
         assert theirs(model) == w_bytes, (theirs(model), w_bytes)
-    timed_runs(model, cache, prompt(contexts[0], c.vocab_size), 3, 1)     # warm-up: compiles
+    timed_runs(llm, prompt(contexts[0], c.vocab_size), 3, 1)     # warm-up: compiles
     out = {"load_s": llm.load_s, "weight_mb_per_token": w_bytes / 1e6, "contexts": {}}
     for ctx in contexts:
-        ttft, decode = timed_runs(model, cache, prompt(ctx, c.vocab_size), args.decode_tokens,
-                                  args.runs)
+        ttft, decode, _ = timed_runs(llm, prompt(ctx, c.vocab_size), args.decode_tokens,
+                                     args.runs)
         step = statistics.median(decode)
         kv = cache.bytes_per_token * (ctx + args.decode_tokens / 2)
         out["contexts"][ctx] = {"prefill_tok_s": ctx / statistics.median(ttft),
@@ -362,6 +365,8 @@ def main() -> int:
                     default=Path(tempfile.gettempdir()) / "tinyrt_gpu_bench")
     ap.add_argument("--default-model", type=Path, help="the default model's GGUF")
     ap.add_argument("--hf-attn", default="sdpa", choices=("sdpa", "eager"))
+    ap.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                    help="tinyrt's decode steps eagerly (still on the device)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     args = ap.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]

@@ -15,12 +15,13 @@ from .reference import ReferenceBackend
 DEVICES = ("auto", "cpu", "cuda", "reference")
 
 
-def get_backend(device: str = "auto", threads: int | None = None):
+def get_backend(device: str = "auto", threads: int | None = None, *, cuda_graph: bool = True):
     """The backend for `device`: "reference" is NumPy; "cpu" the Numba kernels; "cuda" the Numba
     CUDA kernels (ValueError saying why where it cannot run); "auto" is cuda where a CUDA driver
     and GPU are present, else cpu.
     `threads` sets the threads of the Numba kernels and caps those of the BLAS library NumPy calls
-    (process-wide). Raises ValueError for an unknown device or thread count."""
+    (process-wide). `cuda_graph` False: the CUDA backend's decode steps run eagerly (debugging).
+    Raises ValueError for an unknown device or thread count."""
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
     if threads is not None:
@@ -36,7 +37,7 @@ def get_backend(device: str = "auto", threads: int | None = None):
 
         why = gpu.unavailable()
         if why is None:
-            return gpu.CudaBackend()
+            return gpu.CudaBackend(cuda_graph)
         if device == "cuda":
             raise ValueError(f"--device cuda: {why}; use --device cpu")
     from .cpu import CpuBackend

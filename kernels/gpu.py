@@ -7,9 +7,9 @@ the CUDA array interface; in the simulator, torch tensors in host memory, which 
 the kernels as NumPy views (the tests also give the launchers NumPy arrays). Kernels launch on
 torch's current stream and are compiled once per machine (`cache=True`). Activations are float32; quantized
 weights are read in the runtime's one form (kernels.quant), their codes as int32 words along
-each output row, never dequantized to memory for a token. A quantized KV cache (kernels.kv_quant)
-is written by one kernel, its pool's bookkeeping included, and read in place by decode attention;
-its codes, scales and zeros are the reference's bit for bit.
+each output row (in tiles: `repack`), never dequantized to memory for a token. A quantized KV
+cache (kernels.kv_quant) is written by one kernel, its pool's bookkeeping included, and read in
+place by decode attention; its codes, scales and zeros are the reference's bit for bit.
 
 Launch shapes are the `launch_*` helpers' business: the kernels take their arrays, the helpers
 pick grid and block.
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from numba import cuda, float32, int64, types, uint8
+from numba import cuda, float32, int32, int64, types, uint8, uint64
 
 from . import kv_quant, quant, reference
 
@@ -59,40 +59,107 @@ else:
     _mul_rn, _add_rn = libdevice.fmul_rn, libdevice.fadd_rn
 
 
-@cuda.jit(cache=True)
-def q_gemv(x, codes, scale, offset, bits, y):
-    """y [out] = x [in] @ W.T for a quantized layer (kernels.quant): codes int32 [out, in*bits/32]
-    (word c of row o holds inputs n c .. n c + n - 1, n = 32 / bits, input n c + t at bit
-    bits * t: the contract's bytes read four at a time), scale and offset [out, in/g] (float16
-    or float32). Block (LANES, ROWS): a warp per output row, its lanes taking every LANES-th
-    word; per word sum x q and x over its inputs (one group: n divides g), then
-    s * dot + m * xsum; the lanes' sums added in shared memory."""
-    lane, r = cuda.threadIdx.x, cuda.threadIdx.y
-    o = cuda.blockIdx.x * ROWS + r
-    words = codes.shape[1]
-    per = 32 // bits
-    mask = (1 << bits) - 1
-    acc = float32(0)
-    if o < codes.shape[0]:
-        g = words * per // scale.shape[1]
-        for c in range(lane, words, LANES):
-            w = codes[o, c]
-            dot = float32(0)
-            xsum = float32(0)
-            for t in range(per):
-                xi = x[per * c + t]
-                dot += xi * float32((w >> (bits * t)) & mask)
-                xsum += xi
-            gi = per * c // g
-            acc += float32(scale[o, gi]) * dot + float32(offset[o, gi]) * xsum
-    part = cuda.shared.array((ROWS, LANES), float32)
-    part[r, lane] = acc
-    cuda.syncthreads()
-    if lane == 0 and o < codes.shape[0]:
+# Numba's CUDA simulator has no warp shuffles (cuda.shfl_*_sync raise there): so the sum of a
+# row's lanes is a device function chosen here, once, at import: on hardware the lanes' values
+# move between registers (no shared memory, no barrier); in the simulator they go through shared
+# memory. Both need every thread of the block to call it (a barrier, or a full-warp mask).
+if _SIM:
+    @cuda.jit(device=True)
+    def _warp_sum(v, lane, r):
+        """The sum of v over the LANES lanes of row r of a (LANES, ROWS) block (lane 0 has it)."""
+        part = cuda.shared.array((ROWS, LANES), float32)
+        part[r, lane] = v
+        cuda.syncthreads()
         total = float32(0)
         for k in range(LANES):
             total += part[r, k]
-        y[o] = total
+        cuda.syncthreads()   # every lane has read before a next call (in a loop) writes again
+        return total
+else:
+    @cuda.jit(device=True)
+    def _warp_sum(v, lane, r):
+        offset = LANES // 2
+        while offset > 0:
+            v += cuda.shfl_down_sync(0xFFFFFFFF, v, offset)
+            offset //= 2
+        return v
+
+
+# A code q (< 2**23) as the low bits of the float 2**23's mantissa is the float 2**23 + q:
+# minus 2**23, q exactly. An integer OR and a float subtract, instead of an int-to-float
+# conversion, which runs at 1/8 of the float multiply-add's rate on the GPU (the CUDA guide's
+# throughput table): too slow to convert 4-bit codes as fast as memory delivers them.
+_TWO23 = float32(2 ** 23)
+_TWO23_BITS = 0x4B000000
+if _SIM:
+    @cuda.jit(device=True)
+    def _as_float(i):
+        return np.int32(i).view(np.float32)
+else:
+    from numba.cuda import libdevice
+
+    _as_float = libdevice.int_as_float
+
+
+@cuda.jit(device=True, inline=True)
+def _row_dot(x, codes, scale, offset, o, lane, first, last, n_in, g, bits):
+    """Lane `lane`'s part of output o of q_gemv over tiles [first, last). Inlined where `bits`
+    is a constant: shifts by constants (32-bit) and a loop over a word's codes unrolled."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    acc = float32(0)
+    dot = float32(0)
+    xsum = float32(0)
+    i = first * LANES * per + lane
+    if i >= n_in:                   # a lane of padding only (in the last tile)
+        return acc
+    gi = i // g                     # the group being summed, and the input it ends before
+    end = (gi + 1) * g
+    for j in range(first, last):
+        w = codes[o, j * LANES + lane]
+        i = j * LANES * per + lane
+        for t in range(per):
+            if i >= end:            # a new group (at the same t in every lane where LANES | g),
+                if i >= n_in:       # or past n_in (g divides n_in): padding to the tile's end
+                    break
+                acc += float32(scale[o, gi]) * dot + float32(offset[o, gi]) * xsum
+                dot = float32(0)
+                xsum = float32(0)
+                gi = i // g
+                end = (gi + 1) * g
+            xi = x[uint64(i)]       # (unsigned: no wraparound of a negative index to compute)
+            dot += xi * (_as_float(int32(int32(w >> (bits * t)) & mask | _TWO23_BITS)) - _TWO23)
+            xsum += xi
+            i += LANES
+    return acc + float32(scale[o, gi]) * dot + float32(offset[o, gi]) * xsum
+
+
+@cuda.jit(cache=True)
+def q_gemv(x, codes, scale, offset, bits, n_in, g, y):
+    """y [out] = x [n_in] @ W.T for a GpuQuant of 4- or 8-bit codes: codes in `repack`'s layout,
+    scale and offset [out, n_in/g] (float16 or float32). Block (LANES, ROWS): a warp per output
+    row, lane `lane` reading word `lane` of each tile, its inputs lane + LANES t. Per group each
+    lane sums x q and x (dot, xsum) and adds s * dot + m * xsum when the group changes. Grid
+    (row blocks, splits): split k sums the k-th share of the tiles (split-K); with 2 it adds
+    into y, zeroed by the launcher."""
+    lane, r = cuda.threadIdx.x, cuda.threadIdx.y
+    o = cuda.blockIdx.x * ROWS + r
+    tiles = codes.shape[1] // LANES
+    share = (tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
+    first = cuda.blockIdx.y * share
+    last = first + share if first + share < tiles else tiles     # (no min(): see _clip)
+    acc = float32(0)
+    if o < codes.shape[0]:          # (no return: every thread must reach _warp_sum)
+        if bits == 4:
+            acc = _row_dot(x, codes, scale, offset, o, lane, first, last, n_in, g, 4)
+        else:
+            acc = _row_dot(x, codes, scale, offset, o, lane, first, last, n_in, g, 8)
+    total = _warp_sum(acc, lane, r)
+    if lane == 0 and o < codes.shape[0]:
+        if cuda.gridDim.y == 1:
+            y[o] = total
+        else:               # two addends into 0: the same float sum in either order
+            cuda.atomic.add(y, o, total)
 
 
 @cuda.jit(cache=True)
@@ -221,36 +288,120 @@ def _add_score(score, probs, g, h, S, tid, inv):
             cuda.atomic.add(score, (g, s), probs[h, s] * inv)
 
 
+# -- attention over a float cache: flash-decoding ------------------------------------------------
+# One block per query head would leave most of a GPU idle at batch 1 (a few dozen heads for 132
+# SMs) and read a long context slowly; so the slots are cut into splits, a block per (head,
+# split, query), each writing an unnormalized partial and its (max, sum), which a second kernel
+# merges. Positions are device arrays: a CUDA graph replays the same launches as they change.
+
+SPLIT_BLOCKS = 8 if _SIM else 512       # blocks that fill a GPU (4 per SM of an H100's 132)
+SPLIT_MIN = 16 if _SIM else 64          # the fewest slots a split takes: less is all overhead
+SPLIT_MAX = 64                          # the most splits (bounds the partials and the merge)
+SCORES_MAX = 2 ** 24                    # the most floats of scores [T, Q, S] one launch set keeps
+
+
+def attention_chunk(S: int, Q: int, T: int) -> int:
+    """The slots a split takes, for T queries of Q heads over S slots: enough splits that
+    Q * splits * T blocks fill the GPU (SPLIT_BLOCKS; a prompt's queries fill it alone), at
+    most SPLIT_MAX, each of at least SPLIT_MIN slots. The launcher's splits: ceil(S / chunk)."""
+    want = min(SPLIT_MAX, -(-SPLIT_BLOCKS // (Q * T)))
+    return max(SPLIT_MIN, -(-S // want))
+
+
 @cuda.jit(cache=True)
-def attention_decode(q, k, v, q_pos, k_pos, scale, window, score, probs, out):
-    """One query per head q [Q, D] over the cache buffers k, v [G, C, D], slots [0, S) of which
-    hold positions k_pos [G, S] (-1: free), in any order; window <= 0: none. One block per query
-    head: its threads take every THREADS-th slot for the scores (kept in probs [Q, S]), the block
-    finds their largest and the softmax's sum, then each thread sums the weighted V rows for its
-    share of the D columns. score [G, C] (empty [G, 0]: none) gets each slot's weight added.
-    out [Q, D]."""
-    h, tid = cuda.blockIdx.x, cuda.threadIdx.x
-    Q, D = q.shape
-    G, S = k_pos.shape
+def attention_split(q, k, v, q_pos, k_pos, scale, window, chunk, probs, part, ml):
+    """Flash-decoding's first pass: queries q [T, Q, D] at positions q_pos [T] over the cache
+    buffers k, v [G, C, D] (float16 or float32), slots [0, S) of which hold positions k_pos
+    [Gk, S] (Gk = G: a table per KV head, or 1: one for all; -1: free), in any order; window
+    <= 0: none. Block (h, j, t) takes query t of head h over slots [j chunk, (j + 1) chunk):
+    its warps take the slots in turn, a warp's lanes a slot's channels (a K row read at once),
+    for the scores (-inf: hidden, its K row not read) into probs [T, Q, S]; then each thread
+    takes channels d for sum_s exp(score_s - m) V[s, d] (m: the chunk's largest score; V rows
+    read at once) and the weights' sum l. Writes the partial, unnormalized, into part
+    [T, Q, splits, D] and (m, l) into ml [T, Q, splits, 2]."""
+    h, j, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    lane, warp, warps = tid % LANES, tid // LANES, THREADS // LANES
+    Q, D = q.shape[1], q.shape[2]
+    G, S = k.shape[0], k_pos.shape[1]
     g = h // (Q // G)
-    part = cuda.shared.array(THREADS, float32)
+    row = g if k_pos.shape[0] > 1 else 0
+    qp = q_pos[t]
+    lo, hi = j * chunk, min(S, (j + 1) * chunk)
     top = float32(-math.inf)
-    for s in range(tid, S, THREADS):
-        e = float32(-math.inf)
-        if _visible(k_pos[g, s], q_pos, window):
-            e = float32(0)
-            for d in range(D):
-                e += q[h, d] * float32(k[g, s, d])
-            e *= scale
-        probs[h, s] = e
-        top = max(top, e)
-    inv = _softmax(probs, h, S, part, tid, top)
+    for first in range(lo, hi, warps):   # as many turns for every warp: all call _warp_sum
+        s = first + warp
+        seen = s < hi and _visible(k_pos[row, s], qp, window)
+        acc = float32(0)
+        if seen:
+            for d in range(lane, D, LANES):
+                acc += q[t, h, d] * float32(k[g, s, d])
+        acc = _warp_sum(acc, lane, warp)
+        if lane == 0 and s < hi:         # (lane 0 has the sum)
+            e = acc * scale if seen else float32(-math.inf)
+            probs[t, h, s] = e
+            top = max(top, e)
+    buf = cuda.shared.array(THREADS, float32)
+    m = _block_reduce(buf, tid, top, True)   # (its barrier: every warp's scores are written)
+    for d in range(tid, D, THREADS):
+        acc, l = float32(0), float32(0)
+        for s in range(lo, hi):
+            e = probs[t, h, s]
+            if e != -math.inf:           # (a hidden slot's V row is not read)
+                p = math.exp(e - m)
+                acc += p * float32(v[g, s, d])
+                l += p
+        part[t, h, j, d] = acc
+        if d == 0:
+            ml[t, h, j, 0] = m
+            ml[t, h, j, 1] = l
+
+
+@cuda.jit(cache=True)
+def attention_combine(part, ml, out, stats):
+    """Flash-decoding's merge: block (h, t) adds the splits' partials of query t, head h
+    (part [T, Q, splits, D], (m, l) in ml [T, Q, splits, 2]): M = max_j m_j, L = sum_j l_j
+    exp(m_j - M), out [T, Q, D] = sum_j part_j exp(m_j - M) / L (0: nothing visible); (M, L)
+    into stats [T, Q, 2] for attention_scores."""
+    h, t, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    splits, D = part.shape[2], part.shape[3]
+    M = float32(-math.inf)
+    for j in range(splits):
+        M = max(M, ml[t, h, j, 0])
+    L = float32(0)
+    if M != -math.inf:                   # (else exp(-inf - -inf): NaN)
+        for j in range(splits):
+            L += ml[t, h, j, 1] * math.exp(ml[t, h, j, 0] - M)
     for d in range(tid, D, THREADS):
         acc = float32(0)
-        for s in range(S):
-            acc += probs[h, s] * float32(v[g, s, d])
-        out[h, d] = acc * inv
-    _add_score(score, probs, g, h, S, tid, inv)
+        if L > 0:
+            for j in range(splits):
+                acc += part[t, h, j, d] * math.exp(ml[t, h, j, 0] - M)
+            acc /= L
+        out[t, h, d] = acc
+    if tid == 0:
+        stats[t, h, 0] = M
+        stats[t, h, 1] = L
+
+
+@cuda.jit(cache=True)
+def attention_scores(probs, stats, score):
+    """H2O: slot s < S of KV head g gets the weights of the T queries and the R = Q / G query
+    heads of g added: score [G, C] += sum exp(probs [T, Q, S] - M) / L ((M, L): stats [T, Q, 2]).
+    A thread per (g, s), its sum in a fixed order: no atomics, the same scores every run."""
+    n = cuda.grid(1)
+    T, Q, S = probs.shape
+    G = score.shape[0]
+    R = Q // G
+    if n < G * S:
+        g, s = n // S, n % S
+        acc = float32(0)
+        for t in range(T):
+            for h in range(g * R, (g + 1) * R):
+                e = probs[t, h, s]
+                if e != -math.inf:
+                    acc += math.exp(e - stats[t, h, 0]) / stats[t, h, 1]
+        score[g, s] += acc
 
 
 # -- the quantized KV cache (kernels.kv_quant: its layout and math) ------------------------------
@@ -488,10 +639,14 @@ def dequantize_kv(kc, ks, vc, vs, fk, fv, where, k_out, v_out):
 @cuda.jit(cache=True)
 def attention_decode_q(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, window, score,
                        probs, out):
-    """attention_decode over a quantized cache of G rows (kc..where: a QuantKV's first arrays),
-    read in place, no float copy of it: a slot of a block in the float pool from fk, fv, one of
-    a quantized block from its codes (a key from its channels' codes, scales and zeros, a value
-    from its slot's codes and group scales)."""
+    """One query per head q [Q, D] at position q_pos over a quantized cache of G rows (kc..where:
+    a QuantKV's first arrays), slots [0, S) of which hold positions k_pos [G, S] (-1: free);
+    window <= 0: none. One block per query head: its threads take every THREADS-th slot for the
+    scores (kept in probs [Q, S]), the block their softmax, then each thread sums the weighted
+    V rows for its share of the D columns; score [G, C] (empty [G, 0]: none) gets each slot's
+    weight added; out [Q, D]. The cache is read in place, no float copy of it: a slot of a block
+    in the float pool from fk, fv, one of a quantized block from its codes (a key from its
+    channels' codes, scales and zeros, a value from its slot's codes and group scales)."""
     h, tid = cuda.blockIdx.x, cuda.threadIdx.x
     Q, D = q.shape
     G, S = k_pos.shape
@@ -560,10 +715,29 @@ def _launch(kernel, grid, block, *args) -> None:
     kernel[grid, block, stream](*args)
 
 
+# Fewer row blocks than this and a GEMV splits each row's tiles in two halves, in two blocks
+# (split-K): a GPU holds about 1000 blocks of 256 threads at once (8 on each of 132 SMs), and a
+# layer of few outputs would leave SMs short of warps to hide memory latency with.
+SPLIT_BELOW = 1024
+
+
+def _lanes(w) -> None:
+    if w.lanes != LANES:
+        raise ValueError(f"codes tiled for {w.lanes} lanes, kernels launched with {LANES}")
+
+
 def launch_q_gemv(x, w, y) -> None:
-    """y [out] = x [in] @ W.T for a GpuQuant w."""
-    _launch(q_gemv, _blocks(w.codes.shape[0], ROWS), (LANES, ROWS), x, w.codes, w.scale,
-            w.offset, w.bits, y)
+    """y [out] = x [in] @ W.T for a GpuQuant w; y a torch tensor or a NumPy array."""
+    _lanes(w)
+    rows = _blocks(w.shape[0], ROWS)
+    splits = 2 if rows < SPLIT_BELOW and w.codes.shape[1] >= 2 * LANES else 1
+    if splits == 2:
+        # the halves are added into y atomically: 0 + a + b is the same float in either order,
+        # so y is deterministic (with more splits it would not be). Torch zeroes it on its
+        # current stream, before the kernel there.
+        y[...] = 0
+    _launch(q_gemv, (rows, splits), (LANES, ROWS), x, w.codes, w.scale, w.offset, w.bits,
+            w.n_in, w.group, y)
 
 
 def launch_gemv(x, w, y) -> None:
@@ -588,10 +762,29 @@ def launch_store_kv(k_buf, v_buf, slots, k, v) -> None:
     _launch(store_kv, _blocks(_size(k), THREADS), THREADS, k_buf, v_buf, slots, k, v, top)
 
 
-def launch_attention_decode(q, k, v, q_pos: int, k_pos, scale: float, window: int, score,
-                            probs, out) -> None:
-    _launch(attention_decode, q.shape[0], THREADS, q, k, v, q_pos, k_pos, np.float32(scale),
-            window, score, probs, out)
+def launch_attention(q, k, v, q_pos, k_pos, scale: float, window: int, score, out, empty,
+                     chunk: int | None = None) -> None:
+    """out [T, Q, D] = attention of the queries q [T, Q, D] at positions q_pos [T] (int64) over
+    a float cache k, v [G, C, D] whose slots [0, S) hold positions k_pos [Gk, S] (int64; Gk: G
+    or 1); window 0: none; score [G, C] (H2O; [G, 0]: none) gets each slot's weights added.
+    empty(shape) allocates float32 scratch on the device: the scores [T, Q, S] and the splits'
+    partials, for queries in batches whose scores stay under SCORES_MAX floats (a long prompt).
+    chunk: the slots a split takes (default: attention_chunk's)."""
+    T, Q, D = q.shape
+    G, S = k.shape[0], k_pos.shape[1]
+    n = max(1, min(T, SCORES_MAX // max(1, Q * S), 65535))    # (65535: a grid's z limit)
+    chunk = chunk or attention_chunk(S, Q, n)
+    splits = _blocks(S, chunk)
+    probs, part = empty((n, Q, S)), empty((n, Q, splits, D))
+    ml, stats = empty((n, Q, splits, 2)), empty((n, Q, 2))
+    for a in range(0, T, n):
+        b = min(T, a + n)
+        probs_b, part_b, ml_b, stats_b = (x[:b - a] for x in (probs, part, ml, stats))
+        _launch(attention_split, (Q, splits, b - a), THREADS, q[a:b], k, v, q_pos[a:b], k_pos,
+                np.float32(scale), window, chunk, probs_b, part_b, ml_b)
+        _launch(attention_combine, (Q, b - a), THREADS, part_b, ml_b, out[a:b], stats_b)
+        if score.shape[1] > 0:
+            _launch(attention_scores, _blocks(G * S, THREADS), THREADS, probs_b, stats_b, score)
 
 
 def launch_store_kv_q(store: kv_quant.QuantKV, slots, k, v) -> None:
@@ -613,37 +806,68 @@ def launch_attention_decode_q(q, store: kv_quant.QuantKV, q_pos: int, k_pos, sca
 
 
 @cuda.jit(cache=True)
-def q_dequantize(codes, scale, offset, bits, dst):
-    """dst [in, out] = W.T of a quantized layer (as q_gemv reads it), for a prompt's matmul; one
-    thread per word: its 32 / bits inputs of one output."""
+def q_dequantize(codes, scale, offset, bits, n_in, g, dst):
+    """dst [n_in, out] = W.T of a GpuQuant (as q_gemv reads it), for a prompt's matmul; one
+    thread per word: its 32 / bits inputs of one output, neighbouring threads at neighbouring
+    outputs (their writes to a row of dst coalesce)."""
     n = cuda.grid(1)
     rows, words = codes.shape
     per = 32 // bits
     if n < rows * words:
-        o, c = n // words, n % words
-        gi = per * c // (words * per // scale.shape[1])
-        s, m, w = float32(scale[o, gi]), float32(offset[o, gi]), codes[o, c]
+        o, c = n % rows, n // rows
+        w = codes[o, c]
+        i = c // LANES * LANES * per + c % LANES
         for t in range(per):
-            dst[per * c + t, o] = float32((w >> (bits * t)) & ((1 << bits) - 1)) * s + m
+            if i < n_in:
+                q = float32((w >> (bits * t)) & ((1 << bits) - 1))
+                dst[i, o] = q * float32(scale[o, i // g]) + float32(offset[o, i // g])
+            i += LANES
 
 
 def launch_q_dequantize(w, dst) -> None:
-    _launch(q_dequantize, _blocks(w.codes.shape[0] * w.codes.shape[1], THREADS), THREADS,
-            w.codes, w.scale, w.offset, w.bits, dst)
+    _lanes(w)
+    _launch(q_dequantize, _blocks(_size(w.codes), THREADS), THREADS, w.codes, w.scale, w.offset,
+            w.bits, w.n_in, w.group, dst)
+
+
+def repack(codes: np.ndarray, bits: int, n_in: int, lanes: int) -> np.ndarray:
+    """kernels.quant's codes of a layer (uint8 [out, n_in/2] for 4 bits, input 2j in the low
+    nibble of byte j; [out, n_in] for 8) -> the GEMV's layout, int32 [out, tiles * lanes]:
+    per = 32 // bits codes a word, a tile is `lanes` words (lanes * per inputs), tiles =
+    ceil(n_in / (lanes * per)). Word `lane` of row o's tile j holds the inputs
+    j*lanes*per + lane + lanes*t, t in range(per), at bits [bits*t, bits*(t+1)) (t = 0 lowest);
+    inputs past n_in are code 0. So at each t a warp's lanes read `lanes` consecutive floats of
+    x, and at each tile `lanes` consecutive words of the row: both loads coalesce."""
+    per = 32 // bits
+    tiles = -(-n_in // (lanes * per))
+    q = np.zeros((codes.shape[0], tiles * lanes * per), np.uint32)
+    if bits == 4:
+        q[:, 0:n_in:2], q[:, 1:n_in:2] = codes & 15, codes >> 4
+    else:
+        q[:, :n_in] = codes
+    q = q.reshape(-1, tiles, per, lanes) << (bits * np.arange(per, dtype=np.uint32))[:, None]
+    return np.bitwise_or.reduce(q, axis=2).reshape(-1, tiles * lanes).view(np.int32)
 
 
 class GpuQuant(NamedTuple):
     """A quantized layer on the GPU (the projections that share an input side by side, along
-    the output): kernels.quant's arrays as stored, the codes read as int32 words."""
+    the output): kernels.quant's one form, 4- or 8-bit codes in `repack`'s layout."""
 
-    codes: object        # int32 [out, in*bits/32]
-    scale: object        # float16 | float32 [out, in/g]
+    codes: object        # int32 [out, tiles * lanes] (repack; bench counts its padding too:
+                         # a tile's loads read it)
+    scale: object        # float16 | float32 [out, n_in/g]
     offset: object       # as scale
-    bits: int
+    bits: int            # 4 or 8
+    n_in: int            # inputs (the tiles may pad them)
+    lanes: int           # words of a tile: the LANES the kernels launch with
+
+    @property
+    def group(self) -> int:
+        return self.n_in // self.scale.shape[1]
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * 32 // self.bits
+        return self.codes.shape[0], self.n_in
 
 
 class CudaBackend(reference.ReferenceBackend):
@@ -660,8 +884,10 @@ class CudaBackend(reference.ReferenceBackend):
     host_memory = False
     quantized_kv = True      # float16, float32 and kv_quant caches
 
-    def __init__(self):
+    def __init__(self, cuda_graph: bool = True):
         import torch
+
+        self.cuda_graph = cuda_graph     # decode steps replayed as a CUDA graph (tinyrt.device_decode)
 
         self.torch = torch
         # in Numba's CUDA simulator the tensors live in host memory, and `_launch` hands the
@@ -704,11 +930,10 @@ class CudaBackend(reference.ReferenceBackend):
             # one float scale and offset per group, 4- or 8-bit codes: the kernels' one layout
             w = quant.concat(parts)
             w = quant.flat(w, 4 if w.bits == 4 else 8)
-            if w.shape[1] % (32 // w.bits):
-                raise ValueError(f"{w.shape[1]} inputs do not fill whole words of {w.bits}-bit codes")
-            return GpuQuant(self.dev(np.ascontiguousarray(w.codes).view(np.int32), np.int32),
+            n_in = w.shape[1]
+            return GpuQuant(self.dev(repack(w.codes, w.bits, n_in, LANES), np.int32),
                             self.dev(w.scale, w.scale.dtype), self.dev(w.offset, w.offset.dtype),
-                            w.bits)
+                            w.bits, n_in, LANES)
         return self.dev(super().prepare_linear(parts), np.float16)
 
     def prepare_head(self, table: np.ndarray, quantized: bool = False):
@@ -725,7 +950,9 @@ class CudaBackend(reference.ReferenceBackend):
     # -- ops -------------------------------------------------------------------------------------
 
     def embedding(self, table, ids):
-        return table[self.torch.as_tensor(np.asarray(ids, np.int64), device=self.device)].float()
+        if not isinstance(ids, self.torch.Tensor):
+            ids = self.torch.as_tensor(np.asarray(ids, np.int64), device=self.device)
+        return table[ids].float()
 
     def linear(self, x, w):
         x = self.dev(x)
@@ -782,27 +1009,26 @@ class CudaBackend(reference.ReferenceBackend):
         return super().read_kv(k_buf, v_buf, n)
 
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None):
-        """One decode attention per query (a prompt's queries one after another: their own and
-        later tokens' slots are hidden by the causal mask). A quantized cache (k a QuantKV) is
-        read in place for one query; for a prompt's, its slots are dequantized once into
-        float32 buffers that the float kernel reads."""
+        """Flash-decoding over a float cache, a prompt's queries in one launch set (their own
+        and later tokens' slots hidden by the causal mask); the positions uploaded once, k_pos
+        with its own first dim (one table for all heads, or one per head). A quantized cache (k
+        a QuantKV) is read in place for one query; for a prompt's, its slots are dequantized
+        once into float32 buffers that the float kernels read."""
         q = self.dev(q)
         T, Q, D = q.shape
         quantized = isinstance(k, kv_quant.QuantKV)
         G, S = (k.where if quantized else k).shape[0], k_pos.shape[-1]
-        if quantized and T > 1:
-            k, v = self._dequantized(k, S)
-            quantized = False
-        k_pos = self.dev(np.broadcast_to(k_pos, (G, S)), np.int64)
+        k_pos = self.dev(k_pos, np.int64).reshape(-1, S)
         sc = self.zeros((G, 0)) if score is None else self.dev(score)
-        probs, out = self.empty((Q, S)), self.empty((T, Q, D))
-        for t in range(T):
+        out = self.empty((T, Q, D))
+        if quantized and T == 1:
+            launch_attention_decode_q(q[0], k, int(q_pos[0]), k_pos.expand(G, S).contiguous(),
+                                      scale, window or 0, sc, self.empty((Q, S)), out[0])
+        else:
             if quantized:
-                launch_attention_decode_q(q[t], k, int(q_pos[t]), k_pos, scale, window or 0, sc,
-                                          probs, out[t])
-            else:
-                launch_attention_decode(q[t], k, v, int(q_pos[t]), k_pos, scale, window or 0, sc,
-                                        probs, out[t])
+                k, v = self._dequantized(k, S)
+            launch_attention(q, k, v, self.dev(q_pos, np.int64), k_pos, scale, window or 0, sc,
+                             out, self.empty)
         if score is not None and sc is not score:
             score[...] = self.to_numpy(sc)          # a cache that keeps its scores on the host
         return out

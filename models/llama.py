@@ -213,6 +213,15 @@ class LlamaModel:
                 x = self.layer(be, cfg, L, x, cos, sin, self._attend(kv, pos))
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
 
+    def decode_layers(self, x, cos, sin, attends: list[Attend]):
+        """Embedded tokens x [T, H] through every layer (layer i attending with attends[i]) and
+        the final norm -> [T, H]: the step tinyrt.device_decode runs on the device, its cache
+        bookkeeping its own."""
+        cfg, be = self.config, self.backend
+        for L, attend in zip(self.layers, attends):
+            x = self.layer(be, cfg, L, x, cos, sin, attend)
+        return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
+
     def _attend(self, kv, pos) -> Attend:
         """Attention over the cache layer `kv`, the new tokens (at positions `pos`) stored first."""
         be, window = self.backend, self.config.sliding_window

@@ -18,6 +18,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+
+@pytest.fixture
+def quick_barriers():
+    """Numba's CUDA simulator releases a barrier when its polling thread, taking turns with the
+    block's threads, sees them all waiting: at Python's 5 ms switch interval a barrier costs
+    about 10 ms, and the kernels' warp sums are barriers there (hundreds a test). The CUDA
+    tests' modules use this fixture for every test."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(interval)
+
 @pytest.fixture(scope="session")
 def long_text() -> str:
     """A long English text (with code) that every Python ships: the docstrings of its standard

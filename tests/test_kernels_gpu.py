@@ -21,19 +21,62 @@ def run(launch, *arrays):
     return [d.copy_to_host() if isinstance(a, np.ndarray) else d for a, d in zip(arrays, dev)]
 
 
-@pytest.mark.parametrize("n_in, n_out, g, bits, half", [(64, 24, 32, 4, True), (128, 26, 64, 4, False),
-                                                    (96, 8, 16, 8, False), (64, 5, 32, 8, True)])
-def test_q_gemv_and_dequantize(n_in, n_out, g, bits, half):
-    w = random_quant(n_out, n_in, bits, g, half, rng)
-    x = rng.standard_normal(n_in).astype(np.float32)
-    be = gpu.CudaBackend()
+def unpack_words(words, bits, n_in, lanes):
+    """The codes [out, n_in] of GEMV words in gpu.repack's layout, read as its docstring says:
+    input i in word i % (lanes per) % lanes of tile i // (lanes per), at bit bits (i % (lanes
+    per) // lanes)."""
+    words = np.asarray(words).view(np.uint32)
+    per = 32 // bits
+    i = np.arange(n_in)
+    j, k = i // (lanes * per), i % (lanes * per)
+    codes = (words[:, j * lanes + k % lanes] >> (bits * (k // lanes))) & (2 ** bits - 1)
+    return codes.astype(np.uint8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n_in, lanes", [(64, 4), (80, 4), (576, 32), (512, 32), (34, 32)])
+def test_repack_round_trip(bits, n_in, lanes):
+    """gpu.repack's words hold every code where its docstring says, whole tiles of them
+    (padding: code 0)."""
+    w = random_quant(3, n_in, bits, 2, True, rng)
+    words = gpu.repack(w.codes, bits, n_in, lanes)
+    tile = lanes * 32 // bits
+    assert words.dtype == np.int32 and words.shape == (3, -(-n_in // tile) * lanes)
+    assert np.array_equal(unpack_words(words, bits, n_in, lanes), quant.unpack(w))
+    padded = -(-n_in // tile) * tile
+    assert not unpack_words(words, bits, padded, lanes)[:, n_in:].any()
+
+
+def check_q_gemv(w, be, arrays):
+    """launch_q_gemv and launch_q_dequantize of w (a kernels.quant layer) prepared by the backend,
+    its arrays and the launchers' as torch tensors or (arrays="numpy") NumPy arrays, on a fresh
+    x; y and dst start as NaN (every output written, the split-K's zeroed first)."""
+    out, n_in = w.shape
     dev = be.prepare_linear([w])
-    y = be.empty(n_out)
+    assert dev.shape == (out, n_in)
+    x = rng.standard_normal(n_in).astype(np.float32)
+    y, w_t = np.full(out, np.nan, np.float32), np.full((n_in, out), np.nan, np.float32)
+    if arrays == "numpy":
+        dev = dev._replace(codes=be.to_numpy(dev.codes), scale=be.to_numpy(dev.scale),
+                           offset=be.to_numpy(dev.offset))
+    else:
+        x, y, w_t = be.dev(x), be.dev(y), be.dev(w_t)
     gpu.launch_q_gemv(x, dev, y)
-    assert rel_err(y, ref.linear(x[None], quant.dequantize(w))[0]) < 1e-5
-    w_t = be.empty((n_in, n_out))
+    assert rel_err(be.to_numpy(y), ref.linear(be.to_numpy(x)[None], quant.dequantize(w))[0]) < 1e-5
     gpu.launch_q_dequantize(dev, w_t)
-    assert np.allclose(w_t, quant.dequantize(w).T, rtol=1e-6, atol=1e-7)
+    assert np.allclose(be.to_numpy(w_t), quant.dequantize(w).T, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n_in, n_out, g, bits, half", [
+    (64, 24, 32, 4, True), (128, 26, 64, 4, False), (96, 8, 16, 8, False), (64, 5, 32, 8, True),
+    (80, 7, 16, 4, True),     # 2.5 tiles of 32 inputs (4 lanes)
+    (36, 3, 6, 8, True),      # groups of 6: neither a multiple nor a divisor of 4 lanes
+    (34, 4, 17, 8, False)])   # a last tile with lanes of padding only
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("arrays", ["torch", "numpy"])
+def test_q_gemv_and_dequantize(n_in, n_out, g, bits, half, split, arrays, monkeypatch):
+    monkeypatch.setattr(gpu, "SPLIT_BELOW", 10 ** 9 if split else 0)
+    check_q_gemv(random_quant(n_out, n_in, bits, g, half, rng), gpu.CudaBackend(), arrays)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -72,30 +115,72 @@ def test_store_kv(dtype):
     assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
 
 
+def attend(q, k, v, q_pos, k_pos, window, score, chunk=None):
+    """gpu.launch_attention on device copies, scratch from cuda.device_array: (out, score)."""
+    out = np.empty(q.shape, np.float32)
+    got = run(lambda *a: gpu.launch_attention(*a[:5], 0.25, window, *a[5:],
+                                              lambda shape: cuda.device_array(shape, np.float32),
+                                              chunk),
+              q, k, v, q_pos, k_pos, score, out)
+    return got[-1], got[-2]
+
+
+def ring(G, S, last, after, rng):
+    """A ring buffer's slot table [G, S]: positions in any order, `after` of them past `last`
+    (hidden), about a tenth free (-1)."""
+    k_pos = np.stack([rng.permutation(S) + last - S + 1 + after for _ in range(G)])
+    k_pos[rng.random(k_pos.shape) < 0.1] = -1
+    return k_pos
+
+
 @pytest.mark.parametrize("ratio", [1, 3])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("h2o", [False, True])
-def test_attention_decode(ratio, window, dtype, h2o):
-    """A ring buffer: slots hold positions in any order, some free (-1), some after the query
-    (hidden), per KV head; S below the buffer's capacity C."""
-    G, D, C, S, q_pos = 2, 16, 300, 261, 400
+@pytest.mark.parametrize("T, tables, h2o", [(1, "per head", True), (1, "one", False),
+                                            (3, "per head", True), (3, "one", False)])
+def test_attention(ratio, window, dtype, T, tables, h2o):
+    """Flash-decoding over a float cache against the reference: T queries (a prompt's, each
+    hiding later ones' slots) over a ring buffer (positions in any order, some free, some after
+    the queries), a slot table per KV head with H2O's scores (h2o) or one for all ([1, S]: dense
+    and sink caches); S below the capacity C."""
+    rng = _fresh_rng()
+    G, D, C, S = 2, 16, 48, 40
     Q = G * ratio
-    q = rng.standard_normal((Q, D)).astype(np.float32)
-    k = rng.standard_normal((G, C, D)).astype(dtype)
-    v = rng.standard_normal((G, C, D)).astype(dtype)
-    k_pos = np.stack([rng.permutation(S) + q_pos - S + 10 for _ in range(G)])   # 9 after q_pos
-    k_pos[rng.random(k_pos.shape) < 0.1] = -1
-    score0 = rng.random((G, C)).astype(np.float32) if h2o else np.zeros((G, 0), np.float32)
-    want_score = score0.copy()
-    want = ref.attention(q[None], k.astype(np.float32), v.astype(np.float32), np.array([q_pos]),
-                         k_pos, 0.25, window or None, want_score if h2o else None)[0]
-    out = run(lambda q, k, v, kp, sc, pr, o: gpu.launch_attention_decode(
-        q, k, v, q_pos, kp, 0.25, window, sc, pr, o),
-        q, k, v, k_pos, score0, np.empty((Q, S), np.float32), np.empty((Q, D), np.float32))
-    assert rel_err(out[-1], want) < 1e-5
+    q_pos = 400 - 2 * np.arange(T)[::-1]
+    q = rng.standard_normal((T, Q, D)).astype(np.float32)
+    k, v = (rng.standard_normal((G, C, D)).astype(dtype) for _ in range(2))
+    k_pos = ring(G if tables == "per head" else 1, S, q_pos[-1], 6, rng)
+    score = rng.random((G, C)).astype(np.float32) if h2o else np.zeros((G, 0), np.float32)
+    want_score = score.copy()
+    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.25,
+                         window or None, want_score if h2o else None)
+    got, got_score = attend(q, k, v, q_pos, k_pos, window, score)
+    assert rel_err(got, want) < 1e-5
     if h2o:
-        assert rel_err(out[4], want_score) < 1e-6
+        assert rel_err(got_score, want_score) < 1e-6
+
+
+def test_attention_in_splits_and_batches(monkeypatch):
+    """Splits of 8 slots, one of them all free or hidden, another past the query; a prompt's
+    queries in batches of two (SCORES_MAX small), one of them seeing no slot (its output 0):
+    against the reference, scores included."""
+    rng = _fresh_rng()
+    G, Q, D, S, chunk = 2, 4, 8, 45, 8
+    monkeypatch.setattr(gpu, "SCORES_MAX", 2 * Q * S)
+    q_pos = np.array([50, 51, 3, 53, 54])                 # query 2: before every position (14..)
+    k_pos = ring(G, S, q_pos[-1], 4, rng)
+    k_pos[:, 8:16] = -1
+    k_pos[:, 16:24] = rng.integers(55, 99, (G, 8))        # after every query
+    q = rng.standard_normal((len(q_pos), Q, D)).astype(np.float32)
+    k, v = (rng.standard_normal((G, S, D)).astype(np.float32) for _ in range(2))
+    score = rng.random((G, S)).astype(np.float32)
+    seen = q_pos != 3
+    want_score = score.copy()
+    want = ref.attention(q[seen], k, v, q_pos[seen], k_pos, 0.25, None, want_score)
+    got, got_score = attend(q, k, v, q_pos, k_pos, 0, score, chunk)
+    assert rel_err(got[seen], want) < 1e-5 and not got[~seen].any()
+    assert rel_err(got_score, want_score) < 1e-6
+    assert gpu.attention_chunk(1000, 2, 1) < 1000          # a decode step's default: splits
 
 
 @pytest.fixture
@@ -107,27 +192,33 @@ def gpu_shapes(monkeypatch):
     monkeypatch.setattr(gpu, "THREADS", 128)
 
 
+@pytest.mark.parametrize("n_in, g, bits, split", [
+    (576, 32, 4, True), (576, 64, 4, False), (576, 128, 4, True),       # 2.25 tiles of 256 (the
+    (512, 32, 4, False), (512, 64, 4, True), (512, 128, 4, False),      # default model's), 2
+    (528, 16, 8, True)])      # 4 tiles of 128 and 16 inputs: lanes 16-31 padding only
+def test_q_gemv_at_the_gpu_s_launch_shapes(gpu_shapes, monkeypatch, n_in, g, bits, split):
+    """At 32 lanes and 8 rows a block: 20 outputs, 3 row blocks, under the split-K threshold
+    (1024: two splits) or not (a threshold of 2: one)."""
+    monkeypatch.setattr(gpu, "SPLIT_BELOW", 1024 if split else 2)
+    check_q_gemv(random_quant(20, n_in, bits, g, True, rng), gpu.CudaBackend(),
+                 "torch" if split else "numpy")
+
+
 def test_kernels_at_the_gpu_s_launch_shapes(gpu_shapes):
-    be = gpu.CudaBackend()
-    w = random_quant(20, 256, 4, 32, True, rng)
-    x = rng.standard_normal(256).astype(np.float32)
-    y = be.empty(20)
-    gpu.launch_q_gemv(x, be.prepare_linear([w]), y)
-    assert rel_err(be.to_numpy(y), ref.linear(x[None], quant.dequantize(w))[0]) < 1e-5
     x = rng.standard_normal((2, 300)).astype(np.float32)
     g = rng.standard_normal(300).astype(np.float32)
     (y,) = run(lambda x, w, y: gpu.launch_rmsnorm(x, w, 1e-5, y), x, g, np.empty_like(x))[-1:]
     assert rel_err(y, ref.rmsnorm(x, g, 1e-5)) < 1e-5
-    G, D, S, q_pos = 1, 16, 200, 250
-    q = rng.standard_normal((2, D)).astype(np.float32)          # two query heads, one KV head
+    G, D, S = 1, 16, 200
+    q_pos = np.array([249, 250])
+    q = rng.standard_normal((2, 2, D)).astype(np.float32)       # two query heads, one KV head
     k, v = (rng.standard_normal((G, S, D)).astype(np.float32) for _ in range(2))
     k_pos = np.arange(S)[None] + 10
-    want = ref.attention(q[None], k, v, np.array([q_pos]), k_pos, 0.25, None, None)[0]
-    out = run(lambda q, k, v, kp, sc, pr, o: gpu.launch_attention_decode(
-        q, k, v, q_pos, kp, 0.25, 0, sc, pr, o),
-        q, k, v, k_pos, np.zeros((G, 0), np.float32), np.empty((2, S), np.float32),
-        np.empty((2, D), np.float32))
-    assert rel_err(out[-1], want) < 1e-5
+    score = rng.random((G, S)).astype(np.float32)
+    want_score = score.copy()
+    want = ref.attention(q, k, v, q_pos, k_pos, 0.25, None, want_score)
+    got, got_score = attend(q, k, v, q_pos, k_pos, 0, score)        # (in 2 splits)
+    assert rel_err(got, want) < 1e-5 and rel_err(got_score, want_score) < 1e-6
 
 
 def test_a_float16_cache_at_the_gpu_s_launch_shapes(tmp_path, gpu_shapes):
@@ -274,6 +365,46 @@ for name, sig in sigs.items():
     for name in ("store_kv_q", "dequantize_kv"):
         fma, mul, add = counts[name]
         assert fma == 0 and mul > 0 and add > 0, (name, counts[name])
+
+
+def test_q_gemv_compiles_for_the_gpu():
+    """The GEMV's hardware branches, which the simulator does not run, compiled to PTX for a
+    Hopper GPU: the lanes' sums by warp shuffles (no barrier), the split-K's atomic add, and no
+    int-to-float conversion of a code (see _as_float); q_dequantize compiles too. Where no CUDA
+    compiler (NVVM) is installed, nothing to check."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    code = r"""
+import types
+from numba import cuda
+from numba.core import types as t
+import numba.cuda.dispatcher as dispatcher
+try:
+    from numba.cuda.cudadrv import nvvm
+    nvvm.NVVM()
+except Exception as e:
+    print('no nvvm:', e); raise SystemExit
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+from tinyrt.kernels import gpu
+
+pytestmark = pytest.mark.usefixtures("quick_barriers")
+a = lambda dt, nd: t.Array(dt, nd, 'C')
+for f in (t.float16, t.float32):
+    ptx, _ = cuda.compile_ptx(gpu.q_gemv.py_func, (a(t.float32, 1), a(t.int32, 2), a(f, 2), a(f, 2),
+                              t.int64, t.int64, t.int64, a(t.float32, 1)), cc=(9, 0))
+    ops = ('shfl.sync', 'bar.sync', 'atom.global.add.f32', 'cvt.rn.f32.s')
+    print(*(int(op in ptx) for op in ops))
+    cuda.compile_ptx(gpu.q_dequantize.py_func, (a(t.int32, 2), a(f, 2), a(f, 2), t.int64, t.int64,
+                     t.int64, a(t.float32, 2)), cc=(9, 0))
+"""
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if run.stdout.startswith("no nvvm"):
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["1", "0", "1", "0"] * 2, run.stdout
 
 
 @pytest.mark.parametrize("policy, kind", [("dense", "float"), ("sink", "4-bit"), ("h2o", "4-bit")])

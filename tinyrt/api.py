@@ -58,14 +58,14 @@ class LLM:
     "f16" / "f32" runs on float weights (a quantized model's dequantized at load), None (the
     default) on the weights as stored; `cache` the KV cache options, or their fields as keywords (kv_policy="sink", kv_size=...);
     `draft` (speculative decoding) a draft model's directory, "lookup" or "layers:N" (see
-    speculative.make_drafter), proposing at most `draft_tokens`.
+    speculative.make_drafter), proposing at most `draft_tokens`; `cuda_graph` as for `load`.
     """
 
     def __init__(self, directory: str | os.PathLike, *, device: str = "auto",
                  threads: int | None = None, dtype: str | None = None,
                  cache: CacheOptions | None = None,
                  draft: str | os.PathLike | None = None, draft_tokens: int = MAX_GAMMA,
-                 **cache_fields):
+                 cuda_graph: bool = True, **cache_fields):
         start = time.perf_counter()
         try:
             cache = dataclasses.replace(cache or CacheOptions(), **cache_fields)
@@ -76,7 +76,7 @@ class LLM:
         if dtype not in (None, *FLOAT_TYPES):
             raise TinyrtError(f"unknown weight type {dtype!r} (choose {' or '.join(FLOAT_TYPES)})")
         try:
-            self.backend = get_backend(device, threads)
+            self.backend = get_backend(device, threads, cuda_graph=cuda_graph)
         except ValueError as e:
             raise TinyrtError(str(e)) from None
         # the tokenizer first: its JSON parse peaks ~30 MB above what it keeps (freed, then
@@ -242,14 +242,15 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto",
          threads: int | None = None, dtype: str | None = None,
          draft: str | os.PathLike | None = None,
          draft_tokens: int = MAX_GAMMA, quiet: bool = False, cache: CacheOptions | None = None,
-         **cache_fields) -> LLM:
+         cuda_graph: bool = True, **cache_fields) -> LLM:
     """Load a model: a model directory (float or AWQ safetensors), a GGUF file (run in place:
     its quantized tensors on the quantized kernels), a known name, or None for the default model
     (its GGUF fetched on first use). `dtype` "f16" / "f32": run on float weights instead. `draft`
     (speculative decoding): a model with the same vocabulary (as `model`), `lookup` (prompt
     lookup) or `layers:N` (the model's first N layers); drafts of at most `draft_tokens`.
     `cache` is the KV cache options (kv_cache.CacheOptions), or give its fields as keywords
-    (kv_policy, kv_size or kv_mem, kv_type, sinks, recent).
+    (kv_policy, kv_size or kv_mem, kv_type, sinks, recent). `cuda_graph` False runs a GPU's
+    decode steps eagerly instead of replaying them as a CUDA graph (debugging).
 
     This is the front end of the API: names become files here (fetched where they must be),
     then `LLM` loads the directory or file."""
@@ -259,7 +260,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto",
     if draft is not None and str(draft) != "lookup" and not str(draft).startswith("layers:"):
         draft = resolve(draft, quiet=quiet)
     llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, dtype=dtype, cache=cache,
-              draft=draft, draft_tokens=draft_tokens, **cache_fields)
+              draft=draft, draft_tokens=draft_tokens, cuda_graph=cuda_graph, **cache_fields)
     fallbacks = llm.model.weights.float_fallbacks()
     if fallbacks and not quiet and dtype is None:
         types = ", ".join(sorted(set(fallbacks.values())))

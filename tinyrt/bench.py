@@ -36,35 +36,22 @@ def prompt_ids(llm, n: int) -> np.ndarray:
     return np.asarray(ids[:n], dtype=np.int64)
 
 
-def timed_runs(model, cache, ids: np.ndarray, decode_tokens: int, runs: int):
+def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int):
     """Seconds to the first token of prompt `ids` from an empty cache, and seconds per greedy
-    decoded token after it, for each of `runs` runs (after one warm-up call)."""
-    model.forward(ids[:8], cache)                      # warm-up: the kernels' first calls
-    ttft, decode = [], []
-    for _ in range(runs):
-        cache.reset()
-        start = time.perf_counter()
-        token = int(np.argmax(model.backend.to_numpy(model.forward(ids, cache))[-1]))
-        ttft.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for _ in range(decode_tokens):
-            token = int(np.argmax(model.backend.to_numpy(model.forward(np.array([token]), cache))[-1]))
-        decode.append((time.perf_counter() - start) / decode_tokens)
-    return ttft, decode
-
-
-def speculative_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int):
-    """As `timed_runs`, through the generation loop with the LLM's draft; also the drafts'
-    figures of the median run."""
-    llm.model.forward(ids[:8], llm.cache)
+    decoded token after it, for each of `runs` runs (after a warm-up call), through the
+    generation loop as a reply runs (on a GPU: its decode steps on the device; with a draft:
+    speculative decoding). Also the drafts' figures of the median run (None without a draft)."""
+    llm.reset()
+    llm.model.forward(ids[:8], llm.cache)                  # warm-up: the kernels' first calls
     results = []
     for _ in range(runs):
-        llm.cache.reset()
+        llm.reset()
         g = llm.generation(ids, max_tokens=decode_tokens + 1, temperature=0, ignore_eos=True)
         for _ in g:
             pass
         t = g.timings
-        results.append((t.decode_s / t.decode_steps, t.ttft_s, t.speculative.as_dict()))
+        spec = t.speculative and t.speculative.as_dict()
+        results.append((t.decode_s / max(t.decode_steps, 1), t.ttft_s, spec))
     results.sort(key=lambda r: r[0])
     return [r[1] for r in results], [r[0] for r in results], results[len(results) // 2][2]
 
@@ -77,11 +64,7 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
     if prompt_tokens + decode_tokens > cache.capacity:
         raise ValueError(f"prompt + decode = {prompt_tokens + decode_tokens} tokens exceed the "
                          f"KV cache of {cache.capacity}")
-    spec = None
-    if llm.drafter is None:
-        ttft, decode = timed_runs(model, cache, ids, decode_tokens, runs)
-    else:
-        ttft, decode, spec = speculative_runs(llm, ids, decode_tokens, runs)
+    ttft, decode, spec = timed_runs(llm, ids, decode_tokens, runs)
     step = statistics.median(decode)
     per_token = weight_bytes(model)
     kv_per_token = cache.bytes_per_token * (prompt_tokens + decode_tokens / 2)

@@ -130,19 +130,38 @@ class Generation:
         history = self.prompt[len(self.prompt) - keep:] if keep else []
         tok = self.sampler(logits, history)
         t.ttft_s = time.perf_counter() - start
-        while True:
-            if keep:
-                history.append(tok)
-                if len(history) > 2 * keep:
-                    del history[:-keep]
-            yield tok
-            if not self.cache.fits(1):
-                return
-            step = time.perf_counter()
-            logits = self._logits([tok])
-            tok = self.sampler(logits, history)
-            t.decode_s += time.perf_counter() - step
-            t.decode_steps += 1
+        device = self._device_decoder(history)
+        try:
+            while True:
+                if keep:
+                    history.append(tok)
+                    if len(history) > 2 * keep:
+                        del history[:-keep]
+                yield tok
+                if not (self.cache.fits(1) if device is None else device.fits()):
+                    return
+                step = time.perf_counter()
+                if device is not None:
+                    tok = device.step(tok)
+                else:
+                    tok = self.sampler(self._logits([tok]), history)
+                t.decode_s += time.perf_counter() - step
+                t.decode_steps += 1
+        finally:
+            if device is not None:
+                device.finish()
+
+    def _device_decoder(self, history):
+        """Decode steps on the GPU (tinyrt.device_decode) where they can run, else None."""
+        be = self.model.backend
+        if be.name != "cuda":
+            return None
+        from . import device_decode      # (it imports the CUDA kernels)
+
+        if not device_decode.usable(self.model, self.cache):
+            return None
+        return device_decode.DeviceDecoder(self.model, self.cache, self.sampler, history,
+                                           graph=be.cuda_graph)
 
     def __iter__(self) -> Iterator[Response]:
         detok = Detokenizer(self.tokenizer)

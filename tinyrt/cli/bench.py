@@ -30,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
     from tinyrt.errors import TinyrtError
 
     llm = tinyrt.load(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
-                      draft=args.draft,
+                      cuda_graph=args.cuda_graph, draft=args.draft,
                       draft_tokens=args.draft_tokens,
                       kv_size=args.prompt_tokens + args.decode_tokens)
     try:

@@ -46,6 +46,9 @@ def add_runtime_options(g) -> None:
     """Where and how the weights run: --device, --threads, --dtype."""
     g.add_argument("--device", choices=DEVICES, default="auto")
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="on a GPU, run each decode step's kernels one by one instead of replaying "
+                        "them as one CUDA graph (debugging)")
     g.add_argument("--dtype", choices=["f16", "f32"], default=None,
                    help="run on float weights of this type (quantized weights dequantized at "
                         "load); default: the weights as stored, a quantized model on its "
@@ -118,6 +121,7 @@ def load_llm(args: argparse.Namespace):
     import tinyrt
 
     return tinyrt.load(model_spec(args), device=args.device, threads=args.threads, dtype=args.dtype,
+                       cuda_graph=args.cuda_graph,
                        draft=args.draft,
                        draft_tokens=args.draft_tokens, cache=cache_options(args))
 

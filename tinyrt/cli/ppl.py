@@ -41,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
         raise TinyrtError(f"cannot read {args.text}: {type(e).__name__}") from None
     llm = tinyrt.load(model_spec(args), device=args.device, threads=args.threads,
-                      dtype=args.dtype, kv_type=args.kv_type, kv_group=args.kv_group,
+                      dtype=args.dtype, cuda_graph=args.cuda_graph, kv_type=args.kv_type, kv_group=args.kv_group,
                       kv_residual=args.kv_residual)
     bar = Progress(TextColumn("ppl"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)

@@ -1,0 +1,159 @@
+"""Decode steps on the device (tinyrt.device_decode, kernels.gpu_step) against the host's steps,
+in Numba's CUDA simulator where there is no GPU: the cache policies' bookkeeping kernel by
+kernel, the device sampler against the host's, and whole generations (greedy tokens, and the
+cache the device hands back) for every policy."""
+
+import numpy as np
+import pytest
+
+from helpers import rel_err, tiny_config, write_tiny_model
+from tinyrt import device_decode
+from tinyrt.kernels import gpu, gpu_step as gs
+from tinyrt.kernels import reference as ref
+from tinyrt.kv_cache import SCORE_DECAY, SCORE_FLOOR, CacheOptions, KVLayout, POLICIES
+from tinyrt.sampling import Sampler, SamplingParams, filtered_probs
+
+pytestmark = pytest.mark.usefixtures("quick_barriers")
+
+
+def _rng():
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    print("seed", seed)
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("policy, size", [("dense", 12), ("sink", 7), ("h2o", 7)])
+def test_state_kernels_follow_the_cache_policy(policy, size):
+    """begin and take_slot(_h2o), step after step, give the slots, positions, lengths and sink
+    shifts that the host cache's allocate(1) gives (h2o: with the same scores added between
+    steps, the same victims)."""
+    rng = _rng()
+    L, G, D = 2, 2, 8
+    be = gpu.CudaBackend()
+    layout = KVLayout(L, G, D, 1 / 10000 ** (np.arange(D // 2) / (D // 2)))
+    cache = POLICIES[policy](layout, size, ref.ReferenceBackend(),
+                             CacheOptions(policy, size, "f32", sinks=2, recent=2))
+    cache.allocate(3)                                # a prompt
+    C = cache.capacity
+    state = np.zeros(gs.N_STATE, np.int64)
+    state[[gs.NEXT, gs.LENGTH]] = cache.next_pos, cache.length
+    state = be.dev(state, np.int64)
+    kind = {"dense": gs.DENSE, "sink": gs.SINK, "h2o": gs.H2O}[policy]
+    if policy == "h2o":
+        table = be.dev(cache.slot_pos.reshape(L * G, C), np.int64)
+        score = be.dev(cache.score.reshape(L * G, C))
+        slots = be.zeros((L * G, 1), np.int64)
+    else:
+        table, slots = be.dev(cache.slot_pos[None], np.int64), be.zeros((G, 1), np.int64)
+    for _ in range(size + 4 if policy != "dense" else size - 3):
+        if policy == "h2o":          # attention's weights, the same on both sides
+            add = rng.random((L, G, C)).astype(np.float32)
+            cache.score += add
+            score += be.dev(add.reshape(L * G, C))
+        pos = cache.allocate(1)
+        gs.launch_begin(state, kind, cache.n_sink, getattr(cache, "size", C),
+                        getattr(cache, "ring", C))
+        if policy == "h2o":
+            gs.launch_take_slot_h2o(state, slots, table, score, cache.n_sink, cache.recent,
+                                    SCORE_DECAY, SCORE_FLOOR)
+            assert np.array_equal(be.to_numpy(slots).reshape(L, G, 1), cache._slots)
+            assert np.array_equal(be.to_numpy(score).reshape(L, G, C), cache.score)
+        else:
+            gs.launch_take_slot(state, slots, table)
+            assert np.array_equal(be.to_numpy(slots), cache._slots)
+        s = be.to_numpy(state)
+        assert s[gs.POS] == pos[0] and s[gs.NEXT] == cache.next_pos
+        assert s[gs.LENGTH] == cache.length
+        assert np.array_equal(be.to_numpy(table).reshape(cache.slot_pos.shape), cache.slot_pos)
+        if policy != "dense":
+            assert s[gs.SHIFT] == cache.sink_shift
+
+
+def test_rope_row_is_the_reference_table():
+    be = gpu.CudaBackend()
+    inv = (1 / 500000 ** (np.arange(8) / 8)).astype(np.float32)
+    state = np.zeros(gs.N_STATE, np.int64)
+    state[gs.POS] = 123457
+    cos, sin = be.zeros((1, 8)), be.zeros((1, 8))
+    gs.launch_rope_row(be.dev(inv), be.dev(state, np.int64), cos, sin)
+    want = ref.rope_tables(inv, np.array([123457]))
+    assert rel_err(be.to_numpy(cos), want[0]) < 1e-6 and rel_err(be.to_numpy(sin), want[1]) < 1e-6
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repeat_penalty=1.3),
+    dict(temperature=1.3, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.5,
+         frequency_penalty=0.3),
+    dict(temperature=0.9, top_k=40, top_p=0.5, min_p=0.2)])
+def test_device_sampler_draws_from_the_host_distribution(params):
+    """The device sampler's penalized logits and candidates are the host sampler's (ids and
+    probabilities), and its draws land on candidates; greedy gives the host's argmax."""
+    rng = _rng()
+    be = gpu.CudaBackend()
+    V = 300
+    host = Sampler(SamplingParams(**params, seed=1))
+    history = list(rng.integers(0, V, 80))
+    dev = device_decode.DeviceSampler(be, host, V, seed=2)
+    dev.start(history)
+    dev.refill()
+    out = be.zeros(1, np.int64)
+    for _ in range(3):
+        logits = (rng.standard_normal(V) * 3).astype(np.float32)
+        x = host.penalized(logits, history)
+        got = be.to_numpy(dev.penalized(be.dev(logits[None])))
+        assert rel_err(got, x) < 1e-6
+        ids, probs = filtered_probs(x, host.params)
+        d_ids, d_probs = (be.to_numpy(a) for a in dev.candidates(be.dev(x)))
+        keep = d_probs > 0
+        assert np.array_equal(d_ids[keep], ids)
+        assert np.allclose(d_probs[keep] / d_probs.sum(), probs, atol=1e-6)
+        dev(be.dev(logits[None]), out)
+        tok = int(be.to_numpy(out)[0])
+        assert tok in ids
+        history.append(tok)
+    greedy = device_decode.DeviceSampler(be, Sampler(SamplingParams(repeat_penalty=1.5)), V, 0)
+    greedy.start(history)
+    logits = rng.standard_normal(V).astype(np.float32)
+    greedy(be.dev(logits[None]), out)
+    assert int(be.to_numpy(out)[0]) == Sampler(SamplingParams(repeat_penalty=1.5))(logits, history)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = tiny_config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2)
+    return write_tiny_model(tmp_path_factory.mktemp("device_decode"), cfg)
+
+
+@pytest.mark.parametrize("policy, size, kv_type", [("dense", 40, "f16"), ("sink", 9, "f32"),
+                                                   ("h2o", 9, "f16")])
+def test_generation_on_the_device_is_the_host_s(tiny, monkeypatch, policy, size, kv_type):
+    """Greedy generation with a repeat penalty: the device's steps give the host's tokens (the
+    same kernels launched from the host), and hand back the cache the host's steps leave
+    (positions, slot tables, h2o scores, the sinks' rotation and copies), so that a next prompt
+    over it gives the same logits. Small caches make sink wrap and re-rotate, and h2o evict."""
+    import tinyrt
+
+    opts = dict(device="cuda", kv_policy=policy, kv_size=size, kv_type=kv_type, sinks=2)
+    dev, host = tinyrt.LLM(tiny, **opts), tinyrt.LLM(tiny, **opts)
+    ids = list(_rng().integers(3, 300, 5))
+    kw = dict(max_tokens=24, ignore_eos=True, temperature=0, repeat_penalty=1.2)
+    got = _tokens(dev.generation(ids, **kw))
+    monkeypatch.setattr(device_decode, "usable", lambda model, cache: False)
+    want = _tokens(host.generation(ids, **kw))
+    assert got == want
+    a, b = dev.cache, host.cache
+    assert (a.next_pos, a.length, a.span) == (b.next_pos, b.length, b.span)
+    assert np.array_equal(a.slot_pos, b.slot_pos)
+    if policy == "h2o":
+        assert rel_err(a.score, b.score) < 1e-6
+    if policy != "dense":
+        assert a.rotated_shift == b.rotated_shift > 0
+        assert rel_err(dev.backend.to_numpy(a.sink_keys), host.backend.to_numpy(b.sink_keys)) < 1e-6
+    more = [int(t) for t in _rng().integers(3, 300, 3)]
+    la, lb = (m.backend.to_numpy(m.model.forward(more, m.cache)) for m in (dev, host))
+    assert rel_err(la, lb) < 1e-5
+
+
+def _tokens(gen) -> list[int]:
+    return [r.token for r in gen if r.token is not None]

@@ -1,0 +1,255 @@
+"""Decode steps that stay on the GPU, captured once in a CUDA graph and replayed.
+
+A step on the CUDA backend is ~400 kernel launches; issued one by one from Python, with the
+positions, slot tables and RoPE angles copied up and the logits copied down each token, the host
+is the bottleneck. Here a step reads everything that changes from device memory (the token,
+the cache's state and tables: kernels.gpu_step), so the same launches replay as a CUDA graph;
+sampling runs on the device too (torch ops), and one token id crosses to the host per step.
+
+While a `DeviceDecoder` runs, the device owns the KV cache's bookkeeping (position, length,
+slot tables, h2o scores, the sinks' rotation and copies); `finish` writes it back into the cache
+object, so that everything after (a next prompt, a rollback, `LLM.complete`'s prefix reuse) sees
+the cache as the host steps would have left it.
+
+What runs here: the CUDA backend, a float16 or float32 cache (dense, sink, h2o, no rollback
+slack), every sampler setting. A quantized (KIVI) cache or a draft model steps on the host.
+`--no-cuda-graph` runs the same step eagerly (for debugging, and in Numba's CUDA simulator,
+which cannot capture graphs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tinyrt.kernels import gpu_step as gs
+
+from .kv_cache import SCORE_DECAY, SCORE_FLOOR, H2OCache, KVCache, SinkCache
+from .sampling import Sampler
+
+UNIFORMS = 1024        # uniform numbers drawn on the device at a time (sampling reads one a step)
+
+
+def usable(model, cache) -> bool:
+    """Whether decode steps of `model` over `cache` can run on the device."""
+    be = model.backend
+    return (be.name == "cuda" and not cache.quantized and getattr(cache, "slack", 0) == 0
+            and type(cache) in (KVCache, SinkCache, H2OCache))
+
+
+class DeviceSampler:
+    """Sampler.__call__ on the device: the same penalties (over a ring of the last ids and their
+    counts, kept on the device), greedy argmax, temperature, top-k, top-p and min-p, a draw from
+    a uniform number read from a block drawn ahead (so that no random state changes inside a
+    graph). Greedy gives the host sampler's token; a draw has the same distribution."""
+
+    def __init__(self, be, sampler: Sampler, vocab: int, seed: int):
+        t = self.torch = be.torch
+        self.p = sampler.params
+        self.device = dev = be.device
+        self.n = sampler.history_size
+        self.gen = t.Generator(device=dev)
+        self.gen.manual_seed(seed)
+        self.uniform = t.empty(UNIFORMS, device=dev)
+        self.drawn = t.zeros(1, dtype=t.int64, device=dev)     # uniforms used
+        self.vocab = vocab
+
+    def start(self, history) -> None:
+        """The ids so far (the last `repeat_last_n` count for the penalties)."""
+        t = self.torch
+        if self.n:
+            # counts [V + 1]: the last bucket counts the ring's empty places
+            self.ring = t.full((self.n,), self.vocab, dtype=t.int64, device=self.device)
+            recent = np.asarray(list(history)[-self.n:], np.int64)
+            self.ring[:len(recent)] = t.as_tensor(recent, device=self.device)
+            self.counts = t.bincount(self.ring, minlength=self.vocab + 1).to(t.float32)
+            self.at = t.tensor([len(recent) % self.n], dtype=t.int64, device=self.device)
+
+    def refill(self) -> None:
+        """A new block of uniform numbers (outside the graph, every UNIFORMS steps)."""
+        self.uniform.uniform_(generator=self.gen)
+        self.drawn.zero_()
+
+    def penalized(self, logits):
+        """logits [1, V] -> [V] float32, the penalties applied (Sampler.penalized)."""
+        t, p = self.torch, self.p
+        x = logits[0, :self.vocab]
+        if self.n:
+            counts = self.counts[:self.vocab]
+            seen = counts > 0
+            if p.repeat_penalty != 1.0:
+                x = t.where(seen, t.where(x > 0, x / p.repeat_penalty, x * p.repeat_penalty), x)
+            x = x - p.presence_penalty * seen - p.frequency_penalty * counts
+        return x
+
+    def candidates(self, x):
+        """Penalized logits x [V] -> the ids a draw picks from, most likely first, and their
+        weights (sampling.filtered_probs, not normalized: a draw scales by their sum)."""
+        t, p = self.torch, self.p
+        x = (x - x.max()) / p.temperature
+        vals, ids = t.topk(x, p.top_k if 0 < p.top_k < x.shape[0] else x.shape[0])
+        probs = t.softmax(vals, 0)
+        if p.top_p < 1.0:              # the smallest prefix whose mass reaches top_p
+            probs = probs * ((t.cumsum(probs, 0) - probs) < p.top_p)
+        if p.min_p > 0.0:
+            probs = probs * (probs >= p.min_p * probs[0])
+        return ids, probs
+
+    def __call__(self, logits, out) -> None:
+        """logits [1, V] -> the token id into out [1] (int64)."""
+        t = self.torch
+        x = self.penalized(logits)
+        if self.p.temperature == 0:
+            out.copy_(t.argmax(x).reshape(1))
+        else:
+            ids, probs = self.candidates(x)
+            c = t.cumsum(probs, 0)
+            u = self.uniform.gather(0, self.drawn) * c[-1]
+            i = t.searchsorted(c, u, right=True).clamp_(max=ids.shape[0] - 1)
+            out.copy_(ids.gather(0, i))
+            self.drawn.add_(1)
+        if self.n:                     # the token enters the ring, the oldest leaves it
+            old = self.ring.gather(0, self.at)
+            self.counts.index_add_(0, old, t.full((1,), -1.0, device=out.device))
+            self.ring.index_copy_(0, self.at, out)
+            self.counts.index_add_(0, out, t.ones(1, device=out.device))
+            self.at.add_(1).remainder_(self.n)
+
+
+class DeviceDecoder:
+    """Decode steps of `model` over `cache` on the device (see the module). `step(token)` feeds
+    the token just drawn (only the first step's crosses to the device) and returns the next;
+    `finish()` hands the cache's bookkeeping back to the host. `history` is the host's list of
+    the ids so far, read at the first step (the penalties' window)."""
+
+    def __init__(self, model, cache, sampler: Sampler, history, *, graph: bool = True):
+        be = self.be = model.backend
+        t = self.t = be.torch
+        self.model, self.cache = model, cache
+        cfg = model.config
+        L, G, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        C = cache.capacity
+        dev = be.device
+        self.policy = gs.H2O if isinstance(cache, H2OCache) else \
+            gs.SINK if isinstance(cache, SinkCache) else gs.DENSE
+        self.n_sink = cache.n_sink
+        self.size = getattr(cache, "size", C)
+        self.ring = getattr(cache, "ring", C)
+        state = np.zeros(gs.N_STATE, np.int64)
+        state[[gs.NEXT, gs.LENGTH]] = cache.next_pos, cache.length
+        state[gs.SHIFT] = state[gs.ROTATED] = getattr(cache, "rotated_shift", 0)
+        state[gs.COPIES] = getattr(cache, "sink_keys", None) is not None
+        self.state = be.dev(state, np.int64)
+        self.pos = self.state[gs.POS:gs.POS + 1]                   # the query's position [1]
+        if self.policy == gs.H2O:
+            self.table = be.dev(cache.slot_pos.reshape(L * G, C), np.int64)
+            self.score = be.dev(cache.score.reshape(L * G, C))
+            self.slots = be.zeros((L * G, 1), np.int64)
+            rows = [slice(i * G, (i + 1) * G) for i in range(L)]
+            self.views = [(self.slots[r], self.table[r], self.score[r]) for r in rows]
+        else:
+            self.table = be.dev(cache.slot_pos[None], np.int64)
+            self.slots = be.zeros((G, 1), np.int64)
+            self.views = [(self.slots, self.table, None)] * L
+        self.inv_freq = t.as_tensor(np.asarray(model.inv_freq), device=dev)
+        self.cos, self.sin = be.zeros((1, D // 2)), be.zeros((1, D // 2))
+        if self.n_sink and self.policy != gs.DENSE:
+            shape = (self.n_sink, L * G, D)
+            have = cache.sink_keys is not None
+            self.sink_k = cache.sink_keys.contiguous() if have else be.zeros(shape)
+            self.sink_v = cache.sink_values.contiguous() if have else be.zeros(shape)
+        self.tok = be.zeros(1, np.int64)
+        self.history = history
+        self.sampler = DeviceSampler(be, sampler, cfg.vocab_size, int(sampler.rng.integers(2 ** 62)))
+        self.steps = 0
+        self.use_graph = graph and not gs.gpu._SIM
+        self.graph = None
+        self.host_tok = t.zeros(1, dtype=t.int64, pin_memory=dev != "cpu")
+
+    def fits(self) -> bool:
+        """Whether one more token fits (a dense cache stops when full)."""
+        return self.policy != gs.DENSE or self.cache.next_pos + self.steps < self.cache.capacity
+
+    def _attend(self, i: int):
+        be, cache, m = self.be, self.cache, self.model
+        slots, table, score = self.views[i]
+        k_buf, v_buf = cache.k[i], cache.v[i]
+
+        def attend(q, k, v):
+            be.store_kv(k_buf, v_buf, slots, k, v)
+            return be.attention(q, k_buf, v_buf, self.pos, table, m.scale,
+                                m.config.sliding_window, score)
+        return attend
+
+    def _step(self) -> None:
+        """One decode step, every launch reading its inputs from device memory."""
+        be, m, c = self.be, self.model, self.cache
+        gs.launch_begin(self.state, self.policy, self.n_sink, self.size, self.ring)
+        if self.policy == gs.H2O:
+            gs.launch_take_slot_h2o(self.state, self.slots, self.table, self.score, self.n_sink,
+                                    c.recent, SCORE_DECAY, SCORE_FLOOR)
+        else:
+            gs.launch_take_slot(self.state, self.slots, self.table)
+        if self.n_sink and self.policy != gs.DENSE:
+            k, v = c._flat()
+            gs.launch_rotate_sinks(k, v, self.sink_k, self.sink_v, self.state, self.inv_freq)
+        gs.launch_rope_row(self.inv_freq, self.state, self.cos, self.sin)
+        h = m.decode_layers(be.embedding(m.embed, self.tok), self.cos, self.sin,
+                            [self._attend(i) for i in range(len(m.layers))])
+        self.sampler(m.logits(h), self.tok)
+
+    def step(self, token: int) -> int:
+        """The token after `token` (the one drawn last)."""
+        t = self.t
+        if self.steps == 0:
+            self.tok.fill_(token)
+            self.sampler.start(self.history)
+        if self.steps % UNIFORMS == 0:
+            self.sampler.refill()
+        if not self.use_graph:
+            self._step()
+        elif self.graph is None:
+            self._warm_and_capture()
+        else:
+            self.graph.replay()
+        self.steps += 1
+        if self.be.device == "cpu":
+            return int(self.tok[0])
+        self.host_tok.copy_(self.tok, non_blocking=True)      # the one copy of a step
+        t.cuda.current_stream().synchronize()
+        return int(self.host_tok[0])
+
+    def _warm_and_capture(self) -> None:
+        """The first step runs eagerly on a side stream (kernels compiled and loaded, torch's
+        allocator and cuBLAS warmed, as torch asks before a capture); then the step is captured
+        for the next ones (capture records the launches, it runs nothing)."""
+        t = self.t
+        side = t.cuda.Stream()
+        side.wait_stream(t.cuda.current_stream())
+        with t.cuda.stream(side):
+            self._step()
+        t.cuda.current_stream().wait_stream(side)
+        self.graph = t.cuda.CUDAGraph()
+        with t.cuda.graph(self.graph):
+            self._step()
+
+    def finish(self) -> None:
+        """Write the cache's bookkeeping back into the cache object (after the last step)."""
+        if self.steps == 0:
+            return
+        c = self.cache
+        state = self.be.to_numpy(self.state)
+        c.next_pos, c.length = int(state[gs.NEXT]), int(state[gs.LENGTH])
+        table = self.be.to_numpy(self.table)
+        c.slot_pos[...] = table.reshape(c.slot_pos.shape)
+        if self.policy == gs.H2O:
+            c.score[...] = self.be.to_numpy(self.score).reshape(c.score.shape)
+            c.span = c.length
+        else:
+            used = np.flatnonzero(c.slot_pos >= 0)
+            c.span = int(used[-1]) + 1 if used.size else 0
+        if self.n_sink and self.policy != gs.DENSE:
+            copies = state[gs.COPIES] or state[gs.SHIFT] != state[gs.ROTATED]
+            c.rotated_shift = int(state[gs.SHIFT])
+            if copies:
+                c.sink_keys, c.sink_values = self.sink_k, self.sink_v
+        self.steps = 0
