@@ -147,7 +147,7 @@ def q_gemv(x, codes, scale, offset, bits, n_in, g, y):
     tiles = codes.shape[1] // LANES
     share = (tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
     first = cuda.blockIdx.y * share
-    last = first + share if first + share < tiles else tiles     # (no min(): see _clip)
+    last = _min(first + share, tiles)
     acc = float32(0)
     if o < codes.shape[0]:          # (no return: every thread must reach _warp_sum)
         if bits == 4:
@@ -183,6 +183,24 @@ def gemv(x, w, y):
         y[o] = total
 
 
+# The kernels compare with `if` rather than call the builtins min and max: Numba 0.68's built-in
+# CUDA target (deprecated for the numba-cuda package) fails to compile those builtins, and a test
+# compiles every kernel to PTX with whichever target is installed.
+@cuda.jit(device=True)
+def _min(a, b):
+    return a if a < b else b
+
+
+@cuda.jit(device=True)
+def _max(a, b):
+    return a if a > b else b
+
+
+@cuda.jit(device=True)
+def _clip(x, lo, hi):
+    return lo if x < lo else hi if x > hi else x
+
+
 @cuda.jit(device=True)
 def _block_reduce(part, tid, value, take_max):
     """The sum (or, with take_max, the largest) of `value` over a block of THREADS threads, in
@@ -193,7 +211,7 @@ def _block_reduce(part, tid, value, take_max):
     while stride > 0:
         if tid < stride:
             other = part[tid + stride]
-            part[tid] = max(part[tid], other) if take_max else part[tid] + other
+            part[tid] = _max(part[tid], other) if take_max else part[tid] + other
         cuda.syncthreads()
         stride //= 2
     result = part[0]
@@ -238,7 +256,7 @@ def silu_mul(gu, y):
     if k < T * I:
         t, i = k // I, k % I
         g = gu[t, i]
-        y[t, i] = g / (float32(1) + math.exp(min(-g, float32(88)))) * gu[t, I + i]
+        y[t, i] = g / (float32(1) + math.exp(_min(-g, float32(88)))) * gu[t, I + i]
 
 
 @cuda.jit(cache=True)
@@ -251,8 +269,8 @@ def store_kv(k_buf, v_buf, slots, k, v, top):
         t, rest = n // (G * D), n % (G * D)
         g, d = rest // D, rest % D
         s = slots[g, t]
-        k_buf[g, s, d] = min(max(k[t, g, d], -top), top)
-        v_buf[g, s, d] = min(max(v[t, g, d], -top), top)
+        k_buf[g, s, d] = _clip(k[t, g, d], -top, top)
+        v_buf[g, s, d] = _clip(v[t, g, d], -top, top)
 
 
 @cuda.jit(device=True)
@@ -327,7 +345,7 @@ def attention_split(q, k, v, q_pos, k_pos, scale, window, chunk, probs, part, ml
     g = h // (Q // G)
     row = g if k_pos.shape[0] > 1 else 0
     qp = q_pos[t]
-    lo, hi = j * chunk, min(S, (j + 1) * chunk)
+    lo, hi = j * chunk, _min(S, (j + 1) * chunk)
     top = float32(-math.inf)
     for first in range(lo, hi, warps):   # as many turns for every warp: all call _warp_sum
         s = first + warp
@@ -340,7 +358,7 @@ def attention_split(q, k, v, q_pos, k_pos, scale, window, chunk, probs, part, ml
         if lane == 0 and s < hi:         # (lane 0 has the sum)
             e = acc * scale if seen else float32(-math.inf)
             probs[t, h, s] = e
-            top = max(top, e)
+            top = _max(top, e)
     buf = cuda.shared.array(THREADS, float32)
     m = _block_reduce(buf, tid, top, True)   # (its barrier: every warp's scores are written)
     for d in range(tid, D, THREADS):
@@ -367,7 +385,7 @@ def attention_combine(part, ml, out, stats):
     splits, D = part.shape[2], part.shape[3]
     M = float32(-math.inf)
     for j in range(splits):
-        M = max(M, ml[t, h, j, 0])
+        M = _max(M, ml[t, h, j, 0])
     L = float32(0)
     if M != -math.inf:                   # (else exp(-inf - -inf): NaN)
         for j in range(splits):
@@ -425,13 +443,6 @@ def _value(vc, vs, n, s, d, bits):
     return _add_rn(_mul_rn(float32(c), float32(vs[n, s, 0, g])), float32(vs[n, s, 1, g]))
 
 
-# (the store and dequantize kernels below compare with `if` rather than call min and max: Numba
-# 0.68's built-in CUDA target, deprecated for the numba-cuda package, fails to compile those
-# builtins, and a test reads these kernels' PTX, compiled by whichever target is installed)
-
-@cuda.jit(device=True)
-def _clip(x, lo, hi):
-    return lo if x < lo else hi if x > hi else x
 
 
 @cuda.jit(device=True)
@@ -669,7 +680,7 @@ def attention_decode_q(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, wi
                     e += q[h, d] * _key(kc, ks, g, j, i, d, bits)
             e *= scale
         probs[h, s] = e
-        top = max(top, e)
+        top = _max(top, e)
     inv = _softmax(probs, h, S, part, tid, top)
     for d in range(tid, D, THREADS):
         acc = float32(0)
@@ -807,7 +818,8 @@ def launch_attention_decode_q(q, store: kv_quant.QuantKV, q_pos: int, k_pos, sca
 
 @cuda.jit(cache=True)
 def q_dequantize(codes, scale, offset, bits, n_in, g, dst):
-    """dst [n_in, out] = W.T of a GpuQuant (as q_gemv reads it), for a prompt's matmul; one
+    """dst [n_in, out] (float16 or float32) = W.T of a GpuQuant (as q_gemv reads it), for a
+    prompt's matmul; one
     thread per word: its 32 / bits inputs of one output, neighbouring threads at neighbouring
     outputs (their writes to a row of dst coalesce)."""
     n = cuda.grid(1)
@@ -920,8 +932,10 @@ class CudaBackend(reference.ReferenceBackend):
         return x.detach().to("cpu", copy=True).numpy()
 
     def _matmul(self, x, w_t):
-        """x [T, in] @ w_t [in, out] on the device (cuBLAS through torch)."""
-        return x @ w_t
+        """x [T, in] @ w_t [in, out] (float16) on the device: cuBLAS's float16 GEMM through
+        torch (float32 accumulation), a float32 result. A prompt is compute-bound: float16 runs
+        on the tensor cores."""
+        return (x.to(w_t.dtype) @ w_t).float()
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -962,14 +976,14 @@ class CudaBackend(reference.ReferenceBackend):
                 y = self.empty((1, w.shape[0]))
                 launch_q_gemv(x[0], w, y[0])
                 return y
-            w_t = self.empty((w.shape[1], w.shape[0]))
+            w_t = self.empty((w.shape[1], w.shape[0]), np.float16)
             launch_q_dequantize(w, w_t)
             return self._matmul(x, w_t)
         if T == 1:
             y = self.empty((1, w.shape[0]))
             launch_gemv(x[0], w, y[0])
             return y
-        return self._matmul(x, self.dev(w).T)
+        return self._matmul(x, w.T)
 
     def rmsnorm(self, x, w, eps):
         x = self.dev(x)

@@ -16,7 +16,8 @@ import math
 from numba import cuda, float32, float64, int64
 
 from . import gpu
-from .gpu import _launch
+from .gpu import THREADS     # (a constant where a kernel compiles: its shared arrays' size)
+
 
 # the fields of `state` (int64): this step's position and (dense/sink) slot; the next position;
 # the tokens held; whether this step evicts (h2o); the sinks' shift (SinkCache.sink_shift) and
@@ -71,7 +72,7 @@ def take_slot_h2o(state, slots, table, score, n_sink, recent, decay, floor):
     pos = state[POS]
     best = float32(math.inf)
     best_slot = C
-    for s in range(tid, C, gpu.THREADS):
+    for s in range(tid, C, THREADS):
         sc = score[row, s] * decay
         if sc < floor:
             sc = float32(0)
@@ -79,12 +80,12 @@ def take_slot_h2o(state, slots, table, score, n_sink, recent, decay, floor):
         p = table[row, s]
         if p >= n_sink and p <= pos - recent and sc < best:
             best, best_slot = sc, s
-    vals = cuda.shared.array(gpu.THREADS, float32)
-    where = cuda.shared.array(gpu.THREADS, int64)
+    vals = cuda.shared.array(THREADS, float32)
+    where = cuda.shared.array(THREADS, int64)
     vals[tid] = best
     where[tid] = best_slot
     cuda.syncthreads()
-    stride = gpu.THREADS // 2
+    stride = THREADS // 2
     while stride > 0:
         if tid < stride:
             o = tid + stride
@@ -143,26 +144,26 @@ def rotate_sinks(k, v, sink_k, sink_v, state, inv_freq, top):
 
 
 def launch_begin(state, policy: int, n_sink: int, size: int, ring: int) -> None:
-    _launch(begin, 1, 1, state, policy, n_sink, size, ring)
+    gpu._launch(begin, 1, 1, state, policy, n_sink, size, ring)
 
 
 def launch_take_slot(state, slots, table) -> None:
-    _launch(take_slot, 1, 1, state, slots, table)
+    gpu._launch(take_slot, 1, 1, state, slots, table)
 
 
 def launch_take_slot_h2o(state, slots, table, score, n_sink: int, recent: int, decay,
                          floor) -> None:
-    _launch(take_slot_h2o, table.shape[0], gpu.THREADS, state, slots, table, score, n_sink,
+    gpu._launch(take_slot_h2o, table.shape[0], THREADS, state, slots, table, score, n_sink,
             recent, float32(decay), float32(floor))
 
 
 def launch_rope_row(inv_freq, state, cos, sin) -> None:
-    _launch(rope_row, gpu._blocks(inv_freq.shape[0], gpu.THREADS), gpu.THREADS, inv_freq, state,
+    gpu._launch(rope_row, gpu._blocks(inv_freq.shape[0], THREADS), THREADS, inv_freq, state,
             cos, sin)
 
 
 def launch_rotate_sinks(k, v, sink_k, sink_v, state, inv_freq) -> None:
     top = float32(gpu.HALF_MAX if str(k.dtype).endswith("float16") else math.inf)
     n, R, D = sink_k.shape
-    _launch(rotate_sinks, gpu._blocks(n * R * (D // 2), gpu.THREADS), gpu.THREADS, k, v, sink_k,
+    gpu._launch(rotate_sinks, gpu._blocks(n * R * (D // 2), THREADS), THREADS, k, v, sink_k,
             sink_v, state, inv_freq, top)

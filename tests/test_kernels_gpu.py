@@ -11,6 +11,8 @@ from helpers import quant_store, random_quant, random_weights, rel_err, tiny_con
 from tinyrt.kernels import gpu, kv_quant, quant
 from tinyrt.kernels import reference as ref
 
+pytestmark = pytest.mark.usefixtures("quick_barriers")
+
 rng = np.random.default_rng()
 
 
@@ -389,8 +391,6 @@ except Exception as e:
     print('no nvvm:', e); raise SystemExit
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
 from tinyrt.kernels import gpu
-
-pytestmark = pytest.mark.usefixtures("quick_barriers")
 a = lambda dt, nd: t.Array(dt, nd, 'C')
 for f in (t.float16, t.float32):
     ptx, _ = cuda.compile_ptx(gpu.q_gemv.py_func, (a(t.float32, 1), a(t.int32, 2), a(f, 2), a(f, 2),
@@ -503,3 +503,81 @@ def test_cuda_asked_for_and_absent():
     if out.startswith("ran"):
         pytest.skip("a CUDA GPU is present: nothing to refuse")
     assert out.startswith("refused: --device cuda: ") and "use --device cpu" in out
+
+
+def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
+    """What the simulator cannot show, since it runs the kernels as Python: that the installed
+    Numba CUDA target compiles them. Every kernel a 4-bit model's prompt and decode steps launch
+    (on the device, over dense and h2o caches, and from the host over a quantized cache), with
+    the argument types recorded at those launches, compiled to PTX for a Hopper GPU. Where no
+    CUDA compiler (NVVM) is installed, nothing to check."""
+    import os
+    import subprocess
+    import sys
+
+    import numba
+
+    import tinyrt
+    from helpers import write_tiny_model
+    from tinyrt.converters import convert
+
+    seen = set()
+    launch = gpu._launch
+
+    def spec(a):
+        a = a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray) else a
+        t = numba.typeof(a)
+        if isinstance(t, numba.types.Array):
+            return [str(t.dtype), t.ndim, t.layout]
+        return str(t)
+
+    def record(kernel, grid, block, *args):
+        seen.add(json.dumps([kernel.fn.__module__, kernel.fn.__name__, [spec(a) for a in args]]))
+        launch(kernel, grid, block, *args)
+
+    monkeypatch.setattr(gpu, "_launch", record)
+    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=32, intermediate_size=64,
+                                                     num_attention_heads=4, num_hidden_layers=1))
+    d = convert(d, tmp_path / "q", method="rtn", group_size=32)
+    for policy in ("dense", "h2o"):
+        llm = tinyrt.LLM(d, device="cuda", kv_policy=policy, kv_size=6, sinks=1)
+        for _ in llm.generation([5, 6, 7], max_tokens=5, ignore_eos=True, temperature=0.5):
+            pass
+    from tinyrt.kernels import get_backend
+    from tinyrt.kv_cache import CacheOptions, make_cache
+    from tinyrt.models import load_model
+
+    model = load_model(micro, get_backend("cuda"))
+    cache = make_cache(CacheOptions("dense", 12, "q4", kv_group=4, kv_residual=0), model)
+    for chunk in ([1, 2, 3, 4, 5], [6]):
+        model.forward(chunk, cache)
+    names = {json.loads(s)[1] for s in seen}
+    assert {"q_gemv", "q_dequantize", "attention_split", "begin", "take_slot", "take_slot_h2o",
+            "rotate_sinks", "store_kv_q", "attention_decode_q"} <= names, names
+    (tmp_path / "launches.json").write_text(json.dumps(sorted(seen)))
+    code = r"""
+import importlib, json, sys, types
+from numba import cuda
+from numba.core import types as t
+import numba.cuda.dispatcher as dispatcher
+try:
+    from numba.cuda.cudadrv import nvvm
+    nvvm.NVVM()
+except Exception as e:
+    print('no nvvm:', e); raise SystemExit
+dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+for line in json.load(open(sys.argv[1])):
+    module, name, args = json.loads(line)
+    sig = tuple(t.Array(getattr(t, a[0]), a[1], a[2]) if isinstance(a, list) else getattr(t, a)
+                for a in args)
+    try:
+        cuda.compile_ptx(getattr(importlib.import_module(module), name).py_func, sig, cc=(9, 0))
+    except Exception as e:
+        print(name, str(e).splitlines()[0][:300])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "launches.json")], env=env,
+                         capture_output=True, text=True)
+    if run.stdout.startswith("no nvvm"):
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0 and not run.stdout, run.stdout + run.stderr[-3000:]

@@ -19,6 +19,8 @@ which cannot capture graphs).
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from tinyrt.kernels import gpu_step as gs
@@ -229,8 +231,14 @@ class DeviceDecoder:
             self._step()
         t.cuda.current_stream().wait_stream(side)
         self.graph = t.cuda.CUDAGraph()
-        with t.cuda.graph(self.graph):
-            self._step()
+        try:
+            with t.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self._step()
+        except RuntimeError as e:        # (the step it would record ran eagerly above)
+            self.graph, self.use_graph = None, False
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            print(f"note: a CUDA graph of the decode step could not be captured ({why}); the "
+                  "steps run eagerly", file=sys.stderr)
 
     def finish(self) -> None:
         """Write the cache's bookkeeping back into the cache object (after the last step)."""
