@@ -932,10 +932,9 @@ class CudaBackend(reference.ReferenceBackend):
         return x.detach().to("cpu", copy=True).numpy()
 
     def _matmul(self, x, w_t):
-        """x [T, in] @ w_t [in, out] (float16) on the device: cuBLAS's float16 GEMM through
-        torch (float32 accumulation), a float32 result. A prompt is compute-bound: float16 runs
-        on the tensor cores."""
-        return (x.to(w_t.dtype) @ w_t).float()
+        """x [T, in] @ w_t [in, out] on the device (cuBLAS through torch), in float32: a
+        float16 GEMM overflows where activations pass 65504 (random-weight models do)."""
+        return x @ w_t.float()
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -976,7 +975,7 @@ class CudaBackend(reference.ReferenceBackend):
                 y = self.empty((1, w.shape[0]))
                 launch_q_gemv(x[0], w, y[0])
                 return y
-            w_t = self.empty((w.shape[1], w.shape[0]), np.float16)
+            w_t = self.empty((w.shape[1], w.shape[0]))
             launch_q_dequantize(w, w_t)
             return self._matmul(x, w_t)
         if T == 1:
