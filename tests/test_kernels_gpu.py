@@ -326,18 +326,17 @@ def test_attention_over_quantized_cache(bits, T, window, h2o):
     assert rel_err(got_score, want_score) < 1e-6
 
 
-def test_quantized_cache_kernels_round_without_fma():
-    """On the GPU, a float32 multiply and add contract into one fused multiply-add unless each is
-    rounded explicitly: the store and dequantize kernels (code * scale + zero, as kv_quant rounds
-    it twice) compiled to PTX for a Hopper GPU hold no fma, and do hold mul.rn and add.rn.
-    Where no CUDA compiler (NVVM) is installed, nothing to check."""
+def _compile_for_the_gpu(code: str, *argv: str) -> str:
+    """The standard output of `code` run with argv in a Python outside Numba's CUDA simulator,
+    where it can compile kernels to PTX for a Hopper GPU (cuda.compile_ptx with cc=(9, 0); `t`
+    is numba.core.types, `a(dtype, ndim)` a C-contiguous array type). Skips the test where no
+    CUDA compiler (NVVM) is installed; fails on an error."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    code = r"""
-import re, types
+    prelude = r"""
+import types
 from numba import cuda
 from numba.core import types as t
 import numba.cuda.dispatcher as dispatcher
@@ -348,8 +347,25 @@ except Exception as e:
     print('no nvvm:', e); raise SystemExit
 # device functions compile for the current device's compute capability: no GPU here
 dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
-from tinyrt.kernels import gpu
 a = lambda dt, nd: t.Array(dt, nd, 'C')
+"""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    run = subprocess.run([sys.executable, "-c", prelude + code, *argv], env=env,
+                         capture_output=True, text=True)
+    if run.stdout.startswith("no nvvm"):
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    return run.stdout
+
+
+def test_quantized_cache_kernels_round_without_fma():
+    """On the GPU, a float32 multiply and add contract into one fused multiply-add unless each is
+    rounded explicitly: the store and dequantize kernels (code * scale + zero, as kv_quant rounds
+    it twice) compiled to PTX for a Hopper GPU hold no fma, and do hold mul.rn and add.rn.
+    Where no CUDA compiler (NVVM) is installed, nothing to check."""
+    out = _compile_for_the_gpu(r"""
+import re
+from tinyrt.kernels import gpu
 store = (a(t.uint8, 4), a(t.float16, 4), a(t.uint8, 3), a(t.float16, 4), a(t.float16, 4),
          a(t.float16, 4), a(t.int32, 2))
 sigs = {'store_kv_q': store + (a(t.int32, 2), a(t.int64, 2), t.int64, a(t.int64, 2),
@@ -358,12 +374,8 @@ sigs = {'store_kv_q': store + (a(t.int32, 2), a(t.int64, 2), t.int64, a(t.int64,
 for name, sig in sigs.items():
     ptx, _ = cuda.compile_ptx(getattr(gpu, name).py_func, sig, cc=(9, 0))
     print(name, *(len(re.findall(op, ptx)) for op in (r'\bfma\.', r'\bmul\.rn\.f32', r'\badd\.rn\.f32')))
-"""
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if run.stdout.startswith("no nvvm"):
-        pytest.skip(run.stdout.strip())
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = {name: [int(n) for n in rest] for name, *rest in map(str.split, run.stdout.splitlines())}
+""")
+    counts = {name: [int(n) for n in rest] for name, *rest in map(str.split, out.splitlines())}
     for name in ("store_kv_q", "dequantize_kv"):
         fma, mul, add = counts[name]
         assert fma == 0 and mul > 0 and add > 0, (name, counts[name])
@@ -374,24 +386,8 @@ def test_q_gemv_compiles_for_the_gpu():
     Hopper GPU: the lanes' sums by warp shuffles (no barrier), the split-K's atomic add, and no
     int-to-float conversion of a code (see _as_float); q_dequantize compiles too. Where no CUDA
     compiler (NVVM) is installed, nothing to check."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    code = r"""
-import types
-from numba import cuda
-from numba.core import types as t
-import numba.cuda.dispatcher as dispatcher
-try:
-    from numba.cuda.cudadrv import nvvm
-    nvvm.NVVM()
-except Exception as e:
-    print('no nvvm:', e); raise SystemExit
-dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    out = _compile_for_the_gpu(r"""
 from tinyrt.kernels import gpu
-a = lambda dt, nd: t.Array(dt, nd, 'C')
 for f in (t.float16, t.float32):
     ptx, _ = cuda.compile_ptx(gpu.q_gemv.py_func, (a(t.float32, 1), a(t.int32, 2), a(f, 2), a(f, 2),
                               t.int64, t.int64, t.int64, a(t.float32, 1)), cc=(9, 0))
@@ -399,12 +395,8 @@ for f in (t.float16, t.float32):
     print(*(int(op in ptx) for op in ops))
     cuda.compile_ptx(gpu.q_dequantize.py_func, (a(t.int32, 2), a(f, 2), a(f, 2), t.int64, t.int64,
                      t.int64, a(t.float32, 2)), cc=(9, 0))
-"""
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if run.stdout.startswith("no nvvm"):
-        pytest.skip(run.stdout.strip())
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["1", "0", "1", "0"] * 2, run.stdout
+""")
+    assert out.split() == ["1", "0", "1", "0"] * 2, out
 
 
 @pytest.mark.parametrize("policy, kind", [("dense", "float"), ("sink", "4-bit"), ("h2o", "4-bit")])
@@ -511,10 +503,6 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
     (on the device, over dense and h2o caches, and from the host over a quantized cache), with
     the argument types recorded at those launches, compiled to PTX for a Hopper GPU. Where no
     CUDA compiler (NVVM) is installed, nothing to check."""
-    import os
-    import subprocess
-    import sys
-
     import numba
 
     import tinyrt
@@ -555,17 +543,8 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
     assert {"q_gemv", "q_dequantize", "attention_split", "begin", "take_slot", "take_slot_h2o",
             "rotate_sinks", "store_kv_q", "attention_decode_q"} <= names, names
     (tmp_path / "launches.json").write_text(json.dumps(sorted(seen)))
-    code = r"""
-import importlib, json, sys, types
-from numba import cuda
-from numba.core import types as t
-import numba.cuda.dispatcher as dispatcher
-try:
-    from numba.cuda.cudadrv import nvvm
-    nvvm.NVVM()
-except Exception as e:
-    print('no nvvm:', e); raise SystemExit
-dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    out = _compile_for_the_gpu(r"""
+import importlib, json, sys
 for line in json.load(open(sys.argv[1])):
     module, name, args = json.loads(line)
     sig = tuple(t.Array(getattr(t, a[0]), a[1], a[2]) if isinstance(a, list) else getattr(t, a)
@@ -574,10 +553,5 @@ for line in json.load(open(sys.argv[1])):
         cuda.compile_ptx(getattr(importlib.import_module(module), name).py_func, sig, cc=(9, 0))
     except Exception as e:
         print(name, str(e).splitlines()[0][:300])
-"""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "launches.json")], env=env,
-                         capture_output=True, text=True)
-    if run.stdout.startswith("no nvvm"):
-        pytest.skip(run.stdout.strip())
-    assert run.returncode == 0 and not run.stdout, run.stdout + run.stderr[-3000:]
+""", str(tmp_path / "launches.json"))
+    assert not out, out
