@@ -154,6 +154,7 @@ class DeviceDecoder:
             self.views = [(self.slots, self.table, None)] * L
         self.inv_freq = t.as_tensor(np.asarray(model.inv_freq), device=dev)
         self.cos, self.sin = be.zeros((1, D // 2)), be.zeros((1, D // 2))
+        self.attends = [self._attend(i) for i in range(L)]
         if self.n_sink and self.policy != gs.DENSE:
             shape = (self.n_sink, L * G, D)
             have = cache.sink_keys is not None
@@ -195,8 +196,7 @@ class DeviceDecoder:
             k, v = c._flat()
             gs.launch_rotate_sinks(k, v, self.sink_k, self.sink_v, self.state, self.inv_freq)
         gs.launch_rope_row(self.inv_freq, self.state, self.cos, self.sin)
-        h = m.decode_layers(be.embedding(m.embed, self.tok), self.cos, self.sin,
-                            [self._attend(i) for i in range(len(m.layers))])
+        h = m.decode_layers(be.embedding(m.embed, self.tok), self.cos, self.sin, self.attends)
         self.sampler(m.logits(h), self.tok)
 
     def step(self, token: int) -> int:
