@@ -152,3 +152,72 @@ def quant_store(rows, slots, D, bits, block, residual=0, pin=0, zeros=np.zeros):
 
     return kv_quant.allocate((rows,), slots, D, bits, block,
                              kv_quant.pool_entries(block, residual, pin), pin, zeros)
+
+
+# -- hostile input: the bar every refusal meets -------------------------------------------------
+
+HOSTILE_SECONDS = 60          # a hang detector, not a speed check (the bar is 10 s on a quiet machine)
+HOSTILE_BYTES = 1 << 30       # peak resident memory a refusal may reach
+
+
+def run_tinyrt(*args, input: bytes | str | None = None, env: dict | None = None,
+               cwd=None, timeout: float = HOSTILE_SECONDS):
+    """`python -m tinyrt ARGS` in a subprocess (no stdin unless `input`): its CompletedProcess
+    (text decoded with errors replaced) with `peak_bytes`, the child's own peak RSS (wait4), and
+    `seconds`. A run past `timeout` is killed and fails the calling test as a hang."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    if isinstance(input, str):
+        input = input.encode()
+    start = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "tinyrt", *map(os.fsencode, args)],
+                         stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                         env={**os.environ, **(env or {})})
+    got = {}
+
+    def pump(name, stream):
+        got[name] = stream.read()
+
+    readers = [threading.Thread(target=pump, args=(n, s)) for n, s in
+               (("out", p.stdout), ("err", p.stderr))]
+    for t in readers:
+        t.start()
+    if input is not None:
+        try:
+            p.stdin.write(input)
+            p.stdin.close()
+        except BrokenPipeError:
+            pass
+    killer = threading.Timer(timeout, p.kill)
+    killer.start()
+    _, status, usage = os.wait4(p.pid, 0)          # (not p.wait: wait4 gives this child's rusage)
+    killer.cancel()
+    for t in readers:
+        t.join()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.monotonic() - start
+    assert seconds < timeout, f"tinyrt {' '.join(map(str, args))} hung (killed after {timeout} s)"
+    result = subprocess.CompletedProcess(p.args, p.returncode,
+                                         got["out"].decode(errors="replace"),
+                                         got["err"].decode(errors="replace"))
+    result.peak_bytes, result.seconds = usage.ru_maxrss * 1024, seconds
+    return result
+
+
+def assert_refused(p, *words: str) -> str:
+    """The bar for bad input: exit code != 0, one line on stderr ("tinyrt: error: ...") naming
+    each of `words` (case-insensitive), no traceback, under HOSTILE_BYTES of memory. Returns the
+    line."""
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.returncode not in (0, None) and p.returncode > 0, (p.returncode, p.stderr)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tinyrt: error:"), p.stderr
+    for w in words:
+        assert w.lower() in lines[0].lower(), (w, lines[0])
+    assert p.peak_bytes < HOSTILE_BYTES, f"peak RSS {p.peak_bytes / 2**20:.0f} MiB: {lines[0]}"
+    return lines[0]
