@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from tinyrt import paths
 from tinyrt.errors import TinyrtError
 from tinyrt.memory import available_bytes
 
@@ -48,27 +49,23 @@ def default_samples(cfg, seqlen: int = DEFAULT_SEQLEN, cores: int | None = None,
 
 def read_text(path: str | Path) -> str:
     """A calibration file: JSON lines ({"text": ...} per line) or plain text."""
-    path = Path(path)
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TinyrtError(f"calibration file {path} does not exist") from None
-    except UnicodeDecodeError:
-        raise TinyrtError(f"calibration file {path} is not UTF-8 text") from None
+    path = paths.user_path(path, "--calib")
+    raw = paths.read_text(path, "--calib")
     lines = [l for l in raw.splitlines() if l.strip()]
     if lines and all(l.lstrip().startswith("{") for l in lines):
         texts = []
         for n, line in enumerate(lines, 1):
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise TinyrtError(f"{path}:{n}: not a JSON object") from None
+            except (ValueError, RecursionError):        # RecursionError: nesting too deep
+                raise TinyrtError(f"--calib {paths.shown(path)}:{n}: not a JSON object") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise TinyrtError(f'{path}:{n}: a JSON line needs a string "text" field')
+                raise TinyrtError(f'--calib {paths.shown(path)}:{n}: a JSON line needs a string '
+                                  '"text" field')
             texts.append(obj["text"])
         raw = "\n\n".join(texts)
     if not raw.strip():
-        raise TinyrtError(f"calibration file {path} is empty")
+        raise TinyrtError(f"--calib {paths.shown(path)} is empty")
     return raw
 
 

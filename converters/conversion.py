@@ -13,13 +13,14 @@ import numpy as np
 from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import awq_layout
 from tinyrt.models import ModelConfig, expected_shapes, linear_shapes
-from tinyrt.models.weights import write_safetensors
+from tinyrt.models.weights import held_layers, write_safetensors
+from tinyrt.paths import user_path
 from tinyrt.sample_text import default_text
 
 from . import calibration
 from .awq import QuantOptions, quantize_model
 from .sources import Source, open_source
-from .writer import atomic_directory, write_json
+from .writer import atomic_directory, check_output, write_json
 
 METHODS = ("awq", "rtn", "none")
 FLOAT_DTYPES = {"f16": np.float16, "f32": np.float32}
@@ -36,6 +37,10 @@ Progress = Callable[[int, int, str], None]
 def check_tensors(source: Source, cfg: ModelConfig) -> list[str]:
     """The tensors to carry over, in the source's order; a clear error for any missing, misshapen
     or unexpected tensor, before anything is written."""
+    held = held_layers(source.shapes)       # (before the per-layer table of expected shapes)
+    if cfg.num_hidden_layers > held:
+        raise ModelFormatError(f"{source.path}: config.json claims {cfg.num_hidden_layers} layers "
+                               f"(num_hidden_layers), its tensors hold {held}")
     expected = expected_shapes(cfg)
     missing = [n for n in expected if n not in source.shapes]
     if missing:
@@ -203,9 +208,8 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise TinyrtError(f"the shard size must be a positive number of bytes, "
                           f"not {max_shard_bytes!r}")
-    out = Path(out)
-    if out.exists() and not force:
-        raise TinyrtError(f"{out} already exists (use --force to replace it)")
+    src, out = user_path(src, "SRC"), user_path(out, "OUT")
+    check_output(out, force, src)       # at once, before the source is read
     source = open_source(src)
     if source.quantized and method != "none" and notice:
         notice(f"{source.path.name} holds quantized weights ({', '.join(source.quantized)}): "
@@ -226,7 +230,7 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
         calib_text = None
         if method == "awq":
             calib_text = calibration.read_text(calib) if calib else default_text()
-    with atomic_directory(out, force=force) as tmp:
+    with atomic_directory(out, force=force, src=src) as tmp:
         for name, content in source.files.items():
             (tmp / name).write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
         if source.generation_config:

@@ -3,7 +3,7 @@ tensors under HF names, and the tokenizer files to write beside them."""
 
 from __future__ import annotations
 
-import json
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -14,6 +14,7 @@ from tinyrt.errors import ModelFormatError
 from tinyrt.gguf_tokenizer import tokenizer_files
 from tinyrt.models.gguf import GGUFFile
 from tinyrt.models.weights import WeightStore, is_mapped
+from tinyrt.paths import MAX_TOKENIZER_BYTES, read_bytes, read_json, shown, stat_or_none, user_path
 
 # files of an HF directory that travel with the weights, as they are
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -49,11 +50,14 @@ def read_once(get: Callable[[str], np.ndarray], release: Callable[[], None]
 
 def open_source(path: str | Path) -> Source:
     """A GGUF file or an HF directory (config.json + safetensors)."""
-    path = Path(path)
-    if path.is_dir():
+    path = user_path(path, "SRC")
+    info = stat_or_none(path, "SRC")
+    if info is None:
+        raise ModelFormatError(f"SRC {shown(path)} does not exist")
+    if stat.S_ISDIR(info.st_mode):
         return hf_source(path)
-    if not path.exists():
-        raise ModelFormatError(f"{path} does not exist")
+    if not stat.S_ISREG(info.st_mode):          # a FIFO or a device: nothing to map
+        raise ModelFormatError(f"SRC {shown(path)} is neither a GGUF file nor an HF directory")
     return gguf_source(path)
 
 
@@ -68,25 +72,16 @@ def gguf_source(path: Path) -> Source:
 
 
 def hf_source(path: Path) -> Source:
-    try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelFormatError(f"{path} has no config.json: not an HF model directory") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{path / 'config.json'} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ModelFormatError(f"{path / 'config.json'} must hold a JSON object")
+    cfg = read_json(path / "config.json", missing_ok=True)
+    if cfg is None:
+        raise ModelFormatError(f"{shown(path)} has no config.json: not an HF model directory")
     if cfg.get("quantization_config"):
         raise ModelFormatError(f"{path} is already quantized; convert from the float checkpoint")
     store = WeightStore(path)
     names = [n for n in store.keys() if not n.endswith("rotary_emb.inv_freq")]
-    files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).exists()}
-    gen_path = path / "generation_config.json"
-    gen = None
-    if gen_path.exists():
-        try:
-            gen = json.loads(gen_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ModelFormatError(f"{gen_path} is not valid JSON") from None
+    files = {name: data for name in TOKENIZER_FILES
+             if (data := read_bytes(path / name, limit=MAX_TOKENIZER_BYTES, missing_ok=True,
+                                    error=ModelFormatError)) is not None}
+    gen = read_json(path / "generation_config.json", missing_ok=True)
     return Source(path, cfg, {n: store.shape(n) for n in names},
                   read_once(store.get_float, store.release), files, gen)

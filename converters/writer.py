@@ -1,6 +1,10 @@
 """Writing a model directory atomically: everything goes into a hidden temporary directory beside
 the target, which is renamed into place only when complete. An interrupted conversion leaves the
-old output (or none), never a half-written one; temporaries of dead runs are swept up."""
+old output (or none), never a half-written one; temporaries of dead runs are swept up.
+
+Every output holds MANIFEST, the names and sizes of the files tinyrt wrote into it. `--force`
+replaces only such a directory, holding nothing but those files, and never one that is or holds
+the source: what tinyrt did not write, it never deletes."""
 
 from __future__ import annotations
 
@@ -12,6 +16,10 @@ from pathlib import Path
 from typing import Iterator
 
 from tinyrt.errors import TinyrtError
+from tinyrt.paths import MAX_JSON_BYTES, read_json, shown, stat_or_none
+
+MANIFEST = "tinyrt-convert.json"
+WRITTEN_BY = "tinyrt convert"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -24,40 +32,148 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(out: Path) -> None:
-    """Remove temporaries left beside `out` by conversions that were killed."""
-    for p in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+def _real(path: Path) -> Path:
+    """`path` with every symlink resolved: the directory a rename of the output acts on (renaming
+    the link itself would replace the link and leave what it points to behind)."""
+    try:
+        return Path(os.path.realpath(path))
+    except (OSError, RuntimeError) as e:          # a symlink loop, a name too long
+        raise TinyrtError(f"cannot use {shown(path)}: {e}") from None
+
+
+def _manifest(directory: Path) -> dict[str, int] | None:
+    """The files tinyrt wrote into `directory` (name -> size), None for a directory tinyrt did not
+    write."""
+    try:
+        m = read_json(directory / MANIFEST, limit=MAX_JSON_BYTES, missing_ok=True)
+    except TinyrtError:
+        return None
+    files = m.get("files") if m and m.get("written_by") == WRITTEN_BY else None
+    if not isinstance(files, dict) or not all(isinstance(v, int) for v in files.values()):
+        return None
+    return files
+
+
+def _not_ours(directory: Path) -> str | None:
+    """Why `directory` is not an output of tinyrt's that may be replaced whole, or None: it must
+    hold MANIFEST and nothing but the regular files it lists, of the sizes it lists."""
+    if not directory.is_dir():
+        return "is not a directory"
+    files = _manifest(directory)
+    if files is None:
+        return f"has no {MANIFEST}: tinyrt did not write it"
+    try:
+        with os.scandir(directory) as entries:
+            for e in entries:
+                if e.name == MANIFEST:
+                    continue
+                if e.name not in files:
+                    return f"holds {e.name!r}, which tinyrt did not write"
+                if not e.is_file(follow_symlinks=False) or \
+                        e.stat(follow_symlinks=False).st_size != files[e.name]:
+                    return f"holds {e.name!r}, changed since tinyrt wrote it"
+    except OSError as e:
+        return f"cannot be listed ({e.strerror or e})"
+    return None
+
+
+def check_output(out: Path, force: bool = False, src: Path | None = None) -> Path:
+    """The real directory the output `out` will be (where a symlink `out` points), after checking
+    that writing it replaces nothing but an output of tinyrt's (and that only with `force`), and
+    neither is nor holds `src`. TinyrtError otherwise."""
+    target = _real(out)
+    if src is not None:
+        real_src = _real(src)
+        if real_src == target or target in real_src.parents:
+            raise TinyrtError(f"OUT {shown(out)} is or holds SRC {shown(src)}: refusing to "
+                              "write over the source")
+    if stat_or_none(out, "OUT") is None:
+        return target                  # nothing there (a symlink `out` is written where it points)
+    if not force:
+        raise TinyrtError(f"{shown(out)} already exists (use --force to replace it)")
+    why = _not_ours(target)
+    if why:
+        raise TinyrtError(f"OUT {shown(out)} {why}; --force replaces only a model directory "
+                          "tinyrt wrote (remove it yourself if it is to go)")
+    return target
+
+
+def _remove_output(directory: Path) -> None:
+    """An output of tinyrt's, moved aside: the files in it that its manifest lists, then the
+    directory if that left it empty (anything else is not ours to delete). The names come from
+    the directory's own listing, never from the manifest: "../x" in one would name a file
+    elsewhere."""
+    files = _manifest(directory)
+    if files is None:
+        return
+    try:
+        with os.scandir(directory) as entries:
+            ours = [e.name for e in entries if e.name in files or e.name == MANIFEST]
+    except OSError:
+        return
+    for name in ours:
+        with contextlib.suppress(OSError):
+            os.unlink(directory / name)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
+
+
+def sweep_stale(target: Path) -> None:
+    """Remove what conversions that were killed left beside `target`: their temporary directories
+    (ours by name, and by the pid of a process that is gone) and outputs they had moved aside."""
+    prefix = f".{target.name}."
+    try:
+        names = [e.name for e in os.scandir(target.parent) if e.name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        p = target.parent / name
+        kind, _, pid = name[len(prefix):].rpartition("-")
+        if not pid.isdigit() or _pid_alive(int(pid)) or p.is_symlink() or not p.is_dir():
+            continue
+        if kind == "tmp":
             shutil.rmtree(p, ignore_errors=True)
+        elif kind == "old":
+            _remove_output(p)
 
 
 @contextlib.contextmanager
-def atomic_directory(out: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yields a temporary directory to fill; on success it becomes `out`."""
+def atomic_directory(out: str | Path, force: bool = False, src: str | Path | None = None
+                     ) -> Iterator[Path]:
+    """Yields a temporary directory to fill; on success it becomes `out` (see check_output for
+    what may be replaced), with a MANIFEST of the files in it."""
     out = Path(out)
-    if out.exists() and not force:
-        raise TinyrtError(f"{out} already exists (use --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    src = Path(src) if src is not None else None
+    target = check_output(out, force, src)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TinyrtError(f"cannot create {shown(out)}: {e.strerror or e}") from None
+    sweep_stale(target)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)      # this process's own, from an earlier call
+    try:
+        tmp.mkdir()
         yield tmp
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({"written_by": WRITTEN_BY, "files": files},
+                                               indent=1) + "\n", encoding="utf-8")
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+        # again: OUT may have changed during a long conversion
+        if check_output(out, force, src) != target:
+            raise TinyrtError(f"{shown(out)} changed during the conversion (nothing was written)")
+        if os.path.lexists(target):
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            os.replace(target, old)
+            os.replace(tmp, target)
+            _remove_output(old)
         else:
-            os.replace(tmp, out)
+            os.replace(tmp, target)
     except OSError as e:          # a full disk, a read-only or vanished directory
         shutil.rmtree(tmp, ignore_errors=True)
-        raise TinyrtError(f"cannot write {out}: {e.strerror or e} (nothing was written)") from None
+        raise TinyrtError(f"cannot write {shown(out)}: {e.strerror or e} (nothing was written)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

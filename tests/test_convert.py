@@ -8,7 +8,7 @@ import pytest
 from gguf_helpers import write_gguf
 from helpers import byte_level_tokenizer, hf_logits, hf_model, random_weights, rel_err, tiny_config, write_tiny_model
 from tinyrt.converters import convert
-from tinyrt.errors import ModelFormatError
+from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import get_backend
 from tinyrt.kv_cache import CacheOptions, make_cache
 from tinyrt.models import ModelConfig, WeightStore, load_model
@@ -200,3 +200,107 @@ def test_quantizing_a_quantized_file_says_so_first(tmp_path, qtype):
         assert notices == []
     else:
         assert len(notices) == 1 and "Q4_0" in notices[0] and f"tinyrt chat {src}" in notices[0]
+
+
+# -- what --force may replace ------------------------------------------------------------------------
+
+def _snapshot(root):
+    """Everything under `root`: relative path -> the file's bytes, a link's target or "dir"."""
+    import os
+    from pathlib import Path
+
+    seen = {}
+    for here, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(here) / name
+            rel = str(p.relative_to(root))
+            seen[rel] = (("link", os.readlink(p)) if p.is_symlink() else
+                         p.read_bytes() if p.is_file() else "dir")
+    return seen
+
+
+def test_force_never_touches_the_source_or_what_tinyrt_did_not_write(tmp_path):
+    """OUT that is or holds SRC (directly or through a symlink), a file, or a directory tinyrt
+    did not write: refused with one line, everything left byte for byte."""
+    from helpers import assert_refused, run_tinyrt
+
+    d = tmp_path / "d"
+    src = write_tiny_model(d / "src")
+    (d / "notes.txt").write_text("the user's own notes")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")          # looks like a model, is not ours
+    (tmp_path / "alias").symlink_to(d)
+    (tmp_path / "srclink").symlink_to(src)
+    before = _snapshot(tmp_path)
+    for s, o, words in [(src, d, ("SRC",)), (src, src, ("SRC",)), (src, tmp_path / "alias", ("SRC",)),
+                        (tmp_path / "srclink", d, ("SRC",)), (src, tmp_path, ("SRC",)),
+                        (src, d / "notes.txt", ("OUT", "not a directory")),
+                        (src, tmp_path / "mine", ("OUT", "did not write"))]:
+        p = run_tinyrt("convert", str(s), str(o), "--method", "none", "--force")
+        assert_refused(p, *words)
+        assert _snapshot(tmp_path) == before, (s, o)
+
+
+def test_force_replaces_a_previous_output_and_only_that(tmp_path):
+    """An output of tinyrt's (here inside the source directory, which it does not hold) is
+    replaced with --force, the source untouched; once it holds a file tinyrt did not write, or
+    one of its files changed, it is not replaced."""
+    from helpers import assert_refused, run_tinyrt
+    from tinyrt.converters.writer import MANIFEST
+
+    src = write_tiny_model(tmp_path / "src")
+    source = _snapshot(src)
+    out = src / "out"
+    convert(src, out, method="none")
+    assert (out / MANIFEST).is_file()
+    convert(src, out, method="none", dtype="f32", force=True)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert {k: v for k, v in _snapshot(src).items() if not k.startswith("out")} == source
+    assert sorted(p.name for p in src.iterdir()) == sorted([*source, "out"])   # nothing stray
+
+    (out / "mine.txt").write_text("mine")
+    before = _snapshot(tmp_path)
+    assert_refused(run_tinyrt("convert", str(src), str(out), "--method", "none", "--force"),
+                   "mine.txt", "did not write")
+    assert _snapshot(tmp_path) == before
+    (out / "mine.txt").unlink()
+    with open(out / "config.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(TinyrtError, match="changed since tinyrt wrote it"):
+        convert(src, out, method="none", force=True)
+
+
+def test_force_onto_a_symlinked_out_replaces_where_it_points(tmp_path):
+    """OUT a symlink to an output of tinyrt's: the directory it points to is replaced, the link
+    stays, nothing stray is left beside either; a dangling link gets its directory."""
+    src = write_tiny_model(tmp_path / "src")
+    convert(src, tmp_path / "real", method="none")
+    (tmp_path / "out").symlink_to("real")
+    convert(src, tmp_path / "out", method="none", dtype="f32", force=True)
+    assert (tmp_path / "out").is_symlink() and str((tmp_path / "out").readlink()) == "real"
+    assert json.loads((tmp_path / "real" / "config.json").read_text())["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "real", "src"]
+    (tmp_path / "dangling").symlink_to("later")
+    convert(src, tmp_path / "dangling", method="none")
+    assert (tmp_path / "dangling").is_symlink() and (tmp_path / "later" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "later", "out", "real", "src"]
+
+
+def test_a_killed_conversion_leaves_nothing_a_later_one_keeps(tmp_path):
+    """What a conversion killed between its two renames leaves (the previous output moved aside,
+    the new one complete in its temporary) is swept by the next conversion: only the files the
+    old output's manifest lists; a stranger's file stays."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = write_tiny_model(tmp_path / "src")
+    convert(src, tmp_path / "out", method="none")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()   # a pid that is gone
+    (tmp_path / "out").rename(tmp_path / f".out.old-{dead}")
+    shutil.copytree(tmp_path / f".out.old-{dead}", tmp_path / f".out.tmp-{dead}")
+    (tmp_path / f".out.old-{dead}" / "theirs.txt").write_text("not tinyrt's")
+    convert(src, tmp_path / "out", method="none")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".out.old-{dead}", "out", "src"]
+    assert [p.name for p in (tmp_path / f".out.old-{dead}").iterdir()] == ["theirs.txt"]

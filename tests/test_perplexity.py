@@ -3,7 +3,6 @@ import math
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from helpers import CORPUS, hf_model, tiny_config, write_tiny_model
@@ -87,3 +86,39 @@ def test_streaming_perplexity(tiny, tmp_path):
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert set(out) >= {"ppl", "tokens", "windows"} and out["tokens"] == 79 and out["ppl"] > 1
+
+
+@pytest.mark.parametrize("args, flag", [(["--max-windows", "-1"], "--max-windows"),
+                                        (["--max-windows", "0"], "--max-windows"),
+                                        (["--ctx", "1"], "--ctx"), (["--ctx", "-5"], "--ctx"),
+                                        (["--stream", "--max-tokens", "-3"], "--max-tokens")])
+def test_ppl_numeric_options_are_checked_before_the_model_loads(tmp_path, args, flag):
+    """`--max-windows -1` once printed "ppl 1.0000 over -63 tokens"; each such option is refused
+    by name, before the model loads (here there is none to load)."""
+    from helpers import assert_refused, run_tinyrt
+
+    text = tmp_path / "t.txt"
+    text.write_text(CORPUS)
+    p = run_tinyrt("ppl", "-m", str(tmp_path / "no-model"), "--text", str(text), *args)
+    assert_refused(p, flag)
+
+
+def test_perplexity_refuses_counts_that_measure_nothing(tiny):
+    from tinyrt.perplexity import stream_perplexity
+
+    _, llm = tiny
+    with pytest.raises(TinyrtError, match="--max-windows"):
+        perplexity(llm, CORPUS, ctx=64, max_windows=-1)
+    with pytest.raises(TinyrtError, match="--max-tokens"):
+        stream_perplexity(llm, CORPUS, CacheOptions("dense", 64), max_tokens=-3)
+
+
+def test_ppl_text_that_is_not_utf8_or_missing_is_refused(tiny, tmp_path):
+    from helpers import assert_refused, run_tinyrt
+
+    d, _ = tiny
+    (tmp_path / "latin1.txt").write_bytes("café ".encode("latin-1") * 100)
+    assert_refused(run_tinyrt("ppl", "-m", str(d), "--text", str(tmp_path / "latin1.txt")),
+                   "--text", "UTF-8")
+    assert_refused(run_tinyrt("ppl", "-m", str(d), "--text", str(tmp_path / "none.txt")),
+                   "--text", "no such file")

@@ -42,3 +42,19 @@ def test_pull_is_cached(smol):
     start = time.perf_counter()
     assert pull(quiet=True) == smol and smol.suffix == ".gguf"      # run in place
     assert time.perf_counter() - start < 1.0
+
+
+def test_resolve_turns_odd_model_paths_into_one_line(tmp_path):
+    """A ~user that does not exist, a name too long, a file used as a directory, a FIFO or a
+    device: a TinyrtError naming the model path, never an OSError or RuntimeError."""
+    import os
+
+    (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    cases = {"~no_such_user_here/m": "no_such_user_here", str(tmp_path / ("x" * 300)): "too long",
+             str(tmp_path / "file" / "m"): "not a directory", str(tmp_path / "fifo"): "neither",
+             "/dev/zero": "neither"}
+    for spec, words in cases.items():
+        with pytest.raises(TinyrtError) as e:
+            resolve(spec)
+        assert words in str(e.value).lower() and "\n" not in str(e.value), str(e.value)

@@ -59,12 +59,22 @@ def window_nll(model, ids: np.ndarray, cache, chunk: int = 256) -> float:
     return total
 
 
+def check_options(ctx: int = 2048, max_windows: int | None = None,
+                  max_tokens: int | None = None, skip: int = 0) -> None:
+    """TinyrtError for a window, window count, token count or skip that measures nothing (a
+    negative count would slice the text from its end)."""
+    for flag, value, least in (("--ctx", ctx, 2), ("--max-windows", max_windows, 1),
+                               ("--max-tokens", max_tokens, 2), ("skip", skip, 0)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < least):
+            raise TinyrtError(f"{flag} must be a whole number of at least {least}, not {value!r}")
+
+
 def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
                progress: Callable[[int, int], None] | None = None) -> Perplexity:
     """Perplexity of `llm` (a tinyrt.LLM) on `text`."""
     cfg = llm.config
-    if ctx < 2:
-        raise TinyrtError("--ctx must be at least 2")
+    check_options(ctx, max_windows)
     if ctx > cfg.max_position_embeddings:
         raise TinyrtError(f"--ctx {ctx} exceeds the model's context of "
                           f"{cfg.max_position_embeddings} tokens")
@@ -109,6 +119,7 @@ def stream_perplexity(llm, text: str, cache: CacheOptions, *, max_tokens: int | 
     one token at a time through a fresh KV cache built as `cache` says (its element type that
     of the LLM's cache, with its group and residual); perplexity over every next-token prediction. A dense cache must hold
     the whole text."""
+    check_options(max_tokens=max_tokens, skip=skip)
     ids = np.asarray(llm.tokenizer.encode(text, add_special=True), dtype=np.int64)
     ids = ids[skip:skip + max_tokens if max_tokens else None]
     if len(ids) < 2:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinyrt.errors import TinyrtError
+from tinyrt.paths import shown, stat_or_none, user_path
 
 
 @dataclass(frozen=True)
@@ -115,14 +117,17 @@ def resolve(spec: str | os.PathLike | None, quiet: bool = False) -> Path:
     """The model directory or GGUF file for a MODEL argument (None: the default model)."""
     if spec is None:
         return pull(None, quiet)
-    path = Path(spec).expanduser()
-    if path.is_dir():
+    path = user_path(spec, "model")
+    info = stat_or_none(path, "model")
+    if info is not None and stat.S_ISDIR(info.st_mode):
         if is_model_dir(path):
             return path
-        raise TinyrtError(f"{path} is not a model directory (it needs config.json and "
+        raise TinyrtError(f"{shown(path)} is not a model directory (it needs config.json and "
                           "*.safetensors weights)")
-    if path.is_file():
+    if info is not None and stat.S_ISREG(info.st_mode):
         return path                     # a GGUF file (checked as it loads)
+    if info is not None:                # a FIFO, a device: nothing a model is read from
+        raise TinyrtError(f"model {shown(path)} is neither a file nor a directory")
     if str(spec) in KNOWN_MODELS or str(spec) in ALIASES:
         return pull(str(spec), quiet)
     raise TinyrtError(f"model {str(spec)!r} is neither a file, a directory nor a known name "

@@ -40,7 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="most bytes of weights per safetensors file (e.g. 2GB, 500MB; default "
                         "%(default)s); a larger model is written in shards with an index")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT if it is a model directory tinyrt wrote (and does not hold "
+                        "SRC); anything else is never replaced")
 
 
 class ConvertProgress:

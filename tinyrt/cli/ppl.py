@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-
-from tinyrt.errors import TinyrtError
 
 from .options import (add_cache_options, add_model_option, add_runtime_options, cache_options,
                       model_spec)
@@ -32,14 +29,14 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import tinyrt
-    from tinyrt.perplexity import perplexity, stream_perplexity
+    from tinyrt.paths import read_text, user_path
+    from tinyrt.perplexity import check_options, perplexity, stream_perplexity
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    try:
-        text = Path(args.text).read_text(encoding="utf-8")
-    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
-        raise TinyrtError(f"cannot read {args.text}: {type(e).__name__}") from None
+    # all before the model loads: a mistake is reported at once
+    check_options(args.ctx, args.max_windows, args.max_tokens)
+    text = read_text(user_path(args.text, "--text"), "--text")
     llm = tinyrt.load(model_spec(args), device=args.device, threads=args.threads,
                       dtype=args.dtype, cuda_graph=args.cuda_graph, kv_type=args.kv_type, kv_group=args.kv_group,
                       kv_residual=args.kv_residual)
