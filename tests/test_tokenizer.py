@@ -4,7 +4,6 @@ detokenization."""
 import json
 import random
 
-import numpy as np
 import pytest
 
 from tinyrt.tokenizer import Detokenizer, SPTokenizer, load_tokenizer
@@ -175,3 +174,109 @@ def test_detokenizer_sentencepiece_keeps_spaces(sp_model):
     ids = ours.encode(text)
     d = Detokenizer(ours)
     assert "".join(d.add(i) for i in ids) + d.flush() == ours.decode(ids) == text
+
+
+# -- hostile tokenizer files -----------------------------------------------------------------------
+
+def _tokenizer_dir(d, tokenizer=None, config=None):
+    """A directory with the tiny byte-level tokenizer; `tokenizer(json)` and `config(dict)` edit
+    its tokenizer.json and tokenizer_config.json."""
+    from helpers import CHATML, byte_level_tokenizer
+
+    d.mkdir(parents=True, exist_ok=True)
+    tok = json.loads(byte_level_tokenizer(320).to_str())
+    cfg = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (d / "tokenizer.json").write_text(json.dumps(tokenizer(tok) if tokenizer else tok))
+    (d / "tokenizer_config.json").write_text(json.dumps(config(cfg) if config else cfg))
+    return d
+
+
+def _with_split(pattern):
+    def edit(tok):
+        tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+             "invert": False}, tok["pre_tokenizer"]]}
+        return tok
+    return edit
+
+
+def _with_normalizer(pattern):
+    def edit(tok):
+        tok["normalizer"] = {"type": "Replace", "pattern": {"Regex": pattern}, "content": " "}
+        return tok
+    return edit
+
+
+CATASTROPHIC = [r"(a+)+$", r"(\w+\s?)*$", r"(x+x+)+y"]
+
+
+@pytest.mark.parametrize("pattern", CATASTROPHIC)
+@pytest.mark.parametrize("where", [_with_split, _with_normalizer])
+def test_a_regex_that_backtracks_without_end_is_refused_at_load(tmp_path, pattern, where):
+    """Patterns on which tokenizers' Oniguruma panics (or runs for minutes) at the first encode
+    are refused as the tokenizer loads, naming tokenizer.json and the pattern; through the CLI,
+    one line (no Rust backtrace on stderr)."""
+    from helpers import assert_refused, run_tinyrt, write_tiny_model
+    from tinyrt.errors import ModelFormatError
+
+    d = _tokenizer_dir(tmp_path / "t", tokenizer=where(pattern))
+    with pytest.raises(ModelFormatError, match="tokenizer.json") as e:
+        load_tokenizer(d)
+    assert repr(pattern) in str(e.value)
+    m = write_tiny_model(tmp_path / "m")
+    (m / "tokenizer.json").write_text((d / "tokenizer.json").read_text())
+    assert_refused(run_tinyrt("generate", "-m", str(m), "hi", "-n", "2"), "tokenizer.json",
+                   "backtracks")
+
+
+@pytest.mark.parametrize("pattern", [r"\d{1,3}(?=(?:\d{3})*\b)", r"\s+(?!\S)|\s+", r"[\r\n]+",
+                                     r"(?i:'s|'t|'re)|\p{L}+|\p{N}{1,3}"])
+def test_sound_regexes_load_and_split(tmp_path, pattern):
+    """Real tokenizers' patterns (Command-R's digit groups among them) pass the check."""
+    tok = load_tokenizer(_tokenizer_dir(tmp_path, tokenizer=_with_split(pattern)))
+    text = "Total: 1234567 items\n\n  and 'S more"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_a_panic_inside_tokenizers_is_one_clear_error(tmp_path, monkeypatch):
+    """Should a panic get past the check at load, encoding raises ModelFormatError (pyo3's
+    PanicException is a BaseException: no `except Exception` would have caught it)."""
+    import tinyrt.tokenizer as tokenizer_module
+    from tinyrt.errors import ModelFormatError
+
+    monkeypatch.setattr(tokenizer_module, "check_patterns", lambda tok, where: None)
+    tok = load_tokenizer(_tokenizer_dir(tmp_path, tokenizer=_with_split(r"(a+)+$")))
+    with pytest.raises(ModelFormatError, match="tokenizer.json.*tokenizers library failed"):
+        tok.encode("a" * 40 + "!")
+
+
+@pytest.mark.parametrize("decoder", [{"²": {"content": "x"}}, {"abc": {"content": "x"}},
+                                     {"-1": {"content": "x"}}, {"9" * 5000: {"content": "x"}},
+                                     ["<x>"]])
+def test_added_tokens_decoder_keys_must_be_token_ids(tmp_path, decoder):
+    from tinyrt.errors import ModelFormatError
+
+    def edit(cfg):
+        return {**cfg, "added_tokens_decoder": decoder}
+
+    with pytest.raises(ModelFormatError, match="tokenizer_config.json.*added_tokens_decoder") as e:
+        load_tokenizer(_tokenizer_dir(tmp_path, config=edit))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
+def test_a_chat_template_that_is_not_utf8_is_refused(tmp_path):
+    from helpers import assert_refused, run_tinyrt, write_tiny_model
+    from tinyrt.errors import ModelFormatError
+
+    def no_template(cfg):
+        return {k: v for k, v in cfg.items() if k != "chat_template"}
+
+    d = _tokenizer_dir(tmp_path / "t", config=no_template)
+    (d / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
+    with pytest.raises(ModelFormatError, match="chat_template.jinja is not UTF-8"):
+        load_tokenizer(d)
+    m = write_tiny_model(tmp_path / "m")
+    (m / "tokenizer_config.json").write_text((d / "tokenizer_config.json").read_text())
+    (m / "chat_template.jinja").write_bytes((d / "chat_template.jinja").read_bytes())
+    assert_refused(run_tinyrt("generate", "-m", str(m), "hi", "-n", "2"), "chat_template.jinja",
+                   "UTF-8")

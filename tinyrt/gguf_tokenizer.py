@@ -69,11 +69,15 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
 def build_tokenizer(meta: dict[str, Any]):
     """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (keys without `tokenizer.ggml.`)."""
+    from tinyrt.tokenizer import rust_panic
+
     try:
         return _build_tokenizer(meta)
     except (ModelFormatError, MemoryError):
         raise
-    except Exception as e:      # the tokenizers library raises bare Exceptions on bad input
+    except BaseException as e:  # tokenizers raises bare Exceptions on bad input, and panics
+        if not (isinstance(e, Exception) or rust_panic(e)):
+            raise
         raise ModelFormatError(f"the GGUF file's tokenizer is unusable ({type(e).__name__}: "
                                f"{str(e)[:200]})") from None
 

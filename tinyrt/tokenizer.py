@@ -9,24 +9,102 @@ file's tokenizer is built from its metadata (tinyrt/gguf_tokenizer.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import stat
+import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from tinyrt.errors import ModelFormatError
+from tinyrt.paths import (MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, read_bytes, read_json, read_text,
+                          shown, stat_or_none)
 
 
 def _read_json(path: Path) -> dict:
-    if not path.exists():
-        return {}
+    return read_json(path, missing_ok=True) or {}
+
+
+def rust_panic(e: BaseException) -> bool:
+    """Whether `e` is a panic inside the Rust of `tokenizers`: pyo3 raises it as
+    pyo3_runtime.PanicException, a BaseException (no `except Exception` catches it) that cannot be
+    imported by name."""
+    return type(e).__name__ == "PanicException"
+
+
+# Pathological regexes. `tokenizers` matches its patterns with Oniguruma, a backtracking engine:
+# a pattern such as `(a+)+$` or `(\w+\s?)*$` takes time exponential in the length of a run of text
+# it fails on. Oniguruma gives up after a fixed number of steps, and tokenizers then panics (its
+# Rust backtrace printed to stderr first); under that count a long text can keep it busy for
+# minutes, and nothing interrupts Rust code. So each pattern is run once at load, by the same
+# engine, on short runs of common kinds of text (and of the pattern's own characters), each ended
+# by a character that breaks the run: a pathological pattern hits the step limit on one of them in
+# a fraction of a second, where a sound one (every real tokenizer's patterns are near linear)
+# takes microseconds. (Python's `regex` module, with its timeout, is no judge of them: it
+# optimizes `(a+)+` away and passes the very patterns that make Oniguruma panic.) A pattern that
+# slips past the probes and panics on some text still ends in one ModelFormatError (_failed).
+_PROBE_UNITS = ("a", "A", "1", " ", "\n", "\t", "a ", "ab1 ", "é", "日", "_", "'", "!", ".")
+_PROBE_CHARS = 40           # exponential patterns blow up long before this; linear ones stay fast
+_PROBE_ENDS = ("!", "\0")
+_MAX_PATTERNS = 64          # real tokenizers have a handful; each takes a few ms to probe
+
+
+def _patterns(node: Any) -> Iterator[str]:
+    """The regexes of a tokenizers component's JSON (a Split, a Replace, Sequences of them)."""
+    if isinstance(node, dict):
+        pattern = node.get("pattern")
+        if isinstance(pattern, dict) and isinstance(pattern.get("Regex"), str):
+            yield pattern["Regex"]
+        for value in node.values():
+            yield from _patterns(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _patterns(value)
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """fd 2 to /dev/null: a panic in the probes below would print a Rust backtrace there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ModelFormatError(f"{path} must hold a JSON object")
-    return d
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def check_patterns(tok, where: str) -> None:
+    """ModelFormatError naming `where` and the pattern if a regex of the `tokenizers.Tokenizer`
+    `tok` (normalizer, pre-tokenizer, decoder, post-processor) backtracks catastrophically."""
+    from tokenizers import Regex, pre_tokenizers
+
+    patterns = []
+    for part in (tok.normalizer, tok.pre_tokenizer, tok.decoder, tok.post_processor):
+        if part is not None:
+            patterns += _patterns(json.loads(part.__getstate__()))
+    patterns = list(dict.fromkeys(patterns))
+    if len(patterns) > _MAX_PATTERNS:
+        raise ModelFormatError(f"{where}: {len(patterns)} regex patterns, more than the "
+                               f"{_MAX_PATTERNS} tinyrt checks")
+    for pattern in patterns:
+        split = pre_tokenizers.Split(Regex(pattern), "isolated")
+        units = _PROBE_UNITS + tuple(sorted({c for c in pattern if c.isprintable()}))[:64]
+        try:
+            with _stderr_silenced():
+                for unit in units:
+                    for end in _PROBE_ENDS:
+                        split.pre_tokenize_str(unit * (_PROBE_CHARS // len(unit)) + end)
+        except BaseException as e:
+            if not (rust_panic(e) or isinstance(e, Exception)):
+                raise
+            raise ModelFormatError(f"{where}: the pattern {pattern[:80]!r} backtracks "
+                                   "catastrophically (it would hang or crash the tokenizer)") from None
 
 
 def token_text(t: Any) -> str | None:
@@ -75,18 +153,40 @@ class HFTokenizer(Tokenizer):
         """`path`: a tokenizer.json, or a `tokenizers.Tokenizer` built already."""
         from tokenizers import Tokenizer as _Tok
 
-        try:
-            self.tok = path if isinstance(path, _Tok) else _Tok.from_file(str(path))
-        except Exception as e:  # the tokenizers library raises bare Exceptions on bad files
-            raise ModelFormatError(f"{path} is not a valid tokenizer.json ({str(e)[:200]})") from None
+        self.where = "the GGUF file's tokenizer" if isinstance(path, _Tok) else shown(path)
+        if isinstance(path, _Tok):
+            self.tok = path
+        else:
+            text = read_text(path, limit=MAX_TOKENIZER_BYTES, error=ModelFormatError)
+            try:
+                self.tok = _Tok.from_str(text)
+            except BaseException as e:  # bare Exceptions on bad files; a PanicException at worst
+                if not (isinstance(e, Exception) or rust_panic(e)):
+                    raise
+                raise ModelFormatError(f"{self.where} is not a valid tokenizer.json "
+                                       f"({str(e)[:200]})") from None
+        check_patterns(self.tok, self.where)
         super().__init__(config)
         self._special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special).ids
+        except BaseException as e:
+            raise self._failed(e) from None
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+        try:
+            return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+        except BaseException as e:
+            raise self._failed(e) from None
+
+    def _failed(self, e: BaseException) -> BaseException:
+        """A panic inside tokenizers (one that check_patterns did not foresee) as one line; any
+        other exception as it is."""
+        if not rust_panic(e):
+            return e
+        return ModelFormatError(f"{self.where}: the tokenizers library failed ({str(e)[:200]})")
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
@@ -108,8 +208,9 @@ class SPTokenizer(Tokenizer):
         import sentencepiece as spm
 
         self.sp = spm.SentencePieceProcessor()
+        proto = read_bytes(path, limit=MAX_TOKENIZER_BYTES, error=ModelFormatError)
         try:
-            self.sp.load(str(path))
+            self.sp.LoadFromSerializedProto(proto)
             self._init(config)
         except (OSError, RuntimeError, UnicodeDecodeError) as e:
             raise ModelFormatError(f"{path} is not a valid sentencepiece model ({e})") from None
@@ -123,7 +224,7 @@ class SPTokenizer(Tokenizer):
         # tokens added in tokenizer_config.json (AddedToken dicts keyed by id)
         for key, t in (config.get("added_tokens_decoder") or {}).items():
             text = token_text(t)
-            if text and str(key).isdigit() and int(key) < n:
+            if text and int(key) < n:             # keys checked by tokenizer_config
                 splits[int(key)] = text
                 if isinstance(t, dict) and t.get("special", True):
                     self._special.add(int(key))
@@ -178,15 +279,22 @@ def tokenizer_config(directory: str | Path) -> dict:
     """tokenizer_config.json, with BOS/EOS filled from special_tokens_map.json where missing, and
     the chat template from chat_template.jinja/.json where the config has none."""
     directory = Path(directory)
-    config = _read_json(directory / "tokenizer_config.json")
+    path = directory / "tokenizer_config.json"
+    config = _read_json(path)
+    added = config.get("added_tokens_decoder")
+    if added is not None:
+        bad = [k for k in added if not (k.isascii() and k.isdigit() and len(k) < 10)] \
+            if isinstance(added, dict) else [added]
+        if bad:
+            raise ModelFormatError(f"{shown(path)}: added_tokens_decoder must map token ids to "
+                                   f"tokens, not {str(bad[0])[:40]!r}")
     for key, value in _read_json(directory / "special_tokens_map.json").items():
         config.setdefault(key, value)
     if not config.get("chat_template"):
-        jinja = directory / "chat_template.jinja"
-        if jinja.exists():
-            config["chat_template"] = jinja.read_text(encoding="utf-8")
-        else:
-            config["chat_template"] = _read_json(directory / "chat_template.json").get("chat_template")
+        jinja = read_text(directory / "chat_template.jinja", limit=MAX_JSON_BYTES,
+                          missing_ok=True, error=ModelFormatError)
+        config["chat_template"] = jinja if jinja is not None else \
+            _read_json(directory / "chat_template.json").get("chat_template")
     return config
 
 
@@ -194,15 +302,16 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer of a model directory (tokenizer.json if present, else tokenizer.model) or
     of a GGUF file."""
     directory = Path(directory)
-    if directory.is_file():
+    info = stat_or_none(directory)
+    if info is not None and stat.S_ISREG(info.st_mode):
         from tinyrt.gguf_tokenizer import gguf_tokenizer
         from tinyrt.models.gguf import GGUFFile
 
         return HFTokenizer(*gguf_tokenizer(GGUFFile(directory)))
     config = tokenizer_config(directory)
-    if (directory / "tokenizer.json").exists():
+    if os.path.lexists(directory / "tokenizer.json"):    # a directory or a FIFO: refused as read
         return HFTokenizer(directory / "tokenizer.json", config)
-    if (directory / "tokenizer.model").exists():
+    if os.path.lexists(directory / "tokenizer.model"):
         return SPTokenizer(directory / "tokenizer.model", config)
     raise ModelFormatError(f"{directory} has no tokenizer.json or tokenizer.model")
 
