@@ -42,7 +42,7 @@ def open_weights(path: str | Path, dtype: str | None = None) -> tuple[ModelConfi
     if not path.is_dir():
         raise ModelFormatError(f"{path} is neither a model directory nor a GGUF file")
     config = ModelConfig.from_file(path / "config.json")
-    return config, DirectoryWeights(path, config, expected_shapes(config), dtype)
+    return config, DirectoryWeights(path, config, dtype)
 
 
 def load_model(path: str | Path, backend, dtype: str | None = None) -> LlamaModel:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,12 +11,16 @@ from typing import Any
 from tinyrt.errors import ModelFormatError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The largest size or token id a config may name: no real model comes near it, and beyond it the
+# runtime's int32 token ids and positions (and NumPy's shapes) would overflow. Whether the weights
+# hold what the config names is checked against the file (ModelWeights.check_shapes).
+INT_MAX = 2**31 - 1
 
 
 def _is(v: Any, kind: str) -> bool:
     """Whether a JSON value is of `kind`: int, number, str, bool, object, ints (an int or a list
     of them) or strs (a list of strings)."""
-    if kind in ("int", "number") and isinstance(v, bool):
+    if kind in ("int", "ints", "number") and isinstance(v, bool):
         return False
     if kind == "ints" and isinstance(v, list):
         return all(_is(x, "int") for x in v)
@@ -27,9 +31,37 @@ def _is(v: Any, kind: str) -> bool:
     return isinstance(v, types[kind])
 
 
+def _shown(v: Any) -> str:
+    """A value for a message, short: str() of an int of thousands of digits raises, and a long
+    string or list would not fit one line."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    return repr(v)[:40]
+
+
 def _check_kind(name: str, v: Any, kind: str) -> None:
     if not _is(v, kind):
-        raise ModelFormatError(f"config.json: {name} must be {_WHAT[kind]}, got {str(v)[:40]!r}")
+        raise ModelFormatError(f"{name} must be {_WHAT[kind]}, got {_shown(v)}")
+
+
+def _check_number(name: str, v: Any, low: float, high: float = math.inf, *,
+                  low_ok: bool = False) -> float:
+    """`v` as a finite float above `low` (at `low` too if `low_ok`) and below `high`: JSON
+    allows NaN, Infinity and integers too large for a float, none of which a model runs with."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ModelFormatError(f"{name} must be a number, got {_shown(v)}")
+    try:
+        x = float(v)
+    except OverflowError:                 # an integer beyond any float
+        x = math.inf
+    if not math.isfinite(x):
+        raise ModelFormatError(f"{name} must be a finite number, got {_shown(v)}")
+    if not ((low <= x) if low_ok else (low < x)) or not x < high:
+        bound = f"at least {low:g}" if low_ok else f"above {low:g}"
+        if high < math.inf:
+            bound += f" and below {high:g}"
+        raise ModelFormatError(f"{name} must be {bound}, got {_shown(v)}")
+    return x
 
 
 _WHAT = {"int": "an integer", "ints": "an integer or a list of integers", "number": "a number",
@@ -92,10 +124,19 @@ class ModelConfig:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from a config dict, dropping unknown keys and filling HF defaults."""
+    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a config dict, dropping unknown keys and filling HF defaults. Every value is
+        checked (its JSON kind here, its range in __post_init__); `source` names the file in the
+        one-line error (config.json, or the GGUF file whose metadata `d` was read from)."""
+        try:
+            return cls._from_dict(d)
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         if not isinstance(d, dict):
-            raise ModelFormatError("config.json must hold a JSON object")
+            raise ModelFormatError("the config is not a JSON object")
         d = dict(d)
         if isinstance(d.get("model_type", "llama"), str):
             from .families import family
@@ -114,7 +155,7 @@ class ModelConfig:
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.name not in kwargs]
         if missing:
-            raise ModelFormatError(f"config.json lacks required keys: {', '.join(missing)}")
+            raise ModelFormatError(f"lacks required keys: {', '.join(missing)}")
         nullable = {f.name for f in dataclasses.fields(cls) if f.default is None}
         for name, v in kwargs.items():
             if v is not None or name not in nullable:
@@ -127,53 +168,62 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ModelFormatError(f"{path} is missing") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelFormatError(f"{path} is not valid JSON ({e})") from None
-        return cls.from_dict(d)
+        from tinyrt.paths import read_json    # (bounded; one line for any file it cannot read)
+
+        return cls.from_dict(read_json(path), str(path))
 
     def __post_init__(self) -> None:
+        """The ranges of the values (from_dict has checked their kinds): messages name the field;
+        from_dict adds the file."""
         fail = ModelFormatError
         from .families import family
 
         family(self.model_type)               # a clear error for a family tinyrt does not run
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise fail(f"config.json: {name} must be positive, got {getattr(self, name)}")
+                     "max_position_embeddings", "sliding_window"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v <= INT_MAX:
+                raise fail(f"{name} must be between 1 and {INT_MAX}, got {_shown(v)}")
+        # token ids: negative ones (-1) stand for "none" in some configs; the tokenizer's and
+        # these ids are checked against the embedding's rows when the model loads (tinyrt.api)
+        for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            for v in self.eos_token_ids if name == "eos_token_id" else (getattr(self, name),):
+                if v is not None and not -INT_MAX - 1 <= v <= INT_MAX:
+                    raise fail(f"{name} {_shown(v)} is not a token id")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise fail(f"config.json: num_attention_heads ({self.num_attention_heads}) is not a "
+            raise fail(f"num_attention_heads ({self.num_attention_heads}) is not a "
                        f"multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
-            raise fail(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
+            raise fail(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.hidden_act != "silu":
             raise fail(f"unsupported activation {self.hidden_act!r} (only silu)")
         if self.attention_bias or self.mlp_bias:
             raise fail("linear layers with bias are not supported")
-        if not self.rms_norm_eps > 0:
-            raise fail(f"config.json: rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise fail(f"config.json: rope_theta must be positive, got {self.rope_theta}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise fail(f"config.json: sliding_window must be positive, got {self.sliding_window}")
+        # an epsilon, not a scale; theta above 1 so that the frequencies fall (1 / theta^(i/d))
+        _check_number("rms_norm_eps", self.rms_norm_eps, 0, 1)
+        _check_number("rope_theta", self.rope_theta, 1)
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, dict):
-                raise fail("config.json: rope_scaling must be an object")
+                raise fail("rope_scaling must be an object")
             kind = self.rope_type
             if kind not in SUPPORTED_ROPE_TYPES:
                 raise fail(f"unsupported rope_scaling type {kind!r} "
                            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-            need = {"linear": ("factor",),
-                    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                               "original_max_position_embeddings")}.get(kind, ())
-            for key in need:
-                if not isinstance(self.rope_scaling.get(key), (int, float)):
-                    raise fail(f"config.json: rope_scaling ({kind}) needs a number for {key!r}")
+            s = self.rope_scaling
+            if kind in ("linear", "llama3"):
+                # the frequencies are divided by the factor: at least 1, a stretch of the context
+                _check_number(f"rope_scaling.factor ({kind})", s.get("factor"), 1, low_ok=True)
+            if kind == "llama3":
+                # the ramp between the two divides by low and by high - low (models/rope.py)
+                lo = _check_number("rope_scaling.low_freq_factor", s.get("low_freq_factor"), 0)
+                hi = _check_number("rope_scaling.high_freq_factor", s.get("high_freq_factor"), 0)
+                if not hi > lo:
+                    raise fail(f"rope_scaling.high_freq_factor ({hi:g}) must be above "
+                               f"low_freq_factor ({lo:g})")
+                _check_number("rope_scaling.original_max_position_embeddings",
+                              s.get("original_max_position_embeddings"), 1, INT_MAX + 1,
+                              low_ok=True)
         if self.quantization_config is not None:
             self.quant  # validates
 
@@ -211,7 +261,7 @@ class ModelConfig:
         if q is None:
             return None
         if not isinstance(q, dict):
-            raise ModelFormatError("config.json: quantization_config must be an object")
+            raise ModelFormatError("quantization_config must be an object")
         for k, kind in _QUANT_KINDS.items():
             if k in q:
                 _check_kind(f"quantization_config.{k}", q[k], kind)
@@ -220,9 +270,9 @@ class ModelConfig:
             raise ModelFormatError(
                 f"unsupported quantization {qc.quant_method} {qc.bits}-bit {qc.version} "
                 "(tinyrt reads AWQ 4-bit GEMM checkpoints)")
-        if qc.group_size <= 0:
-            raise ModelFormatError(f"config.json: quantization_config.group_size must be "
-                                   f"positive, got {qc.group_size}")
+        if not 0 < qc.group_size <= INT_MAX:
+            raise ModelFormatError(f"quantization_config.group_size must be between 1 and "
+                                   f"{INT_MAX}, got {_shown(qc.group_size)}")
         return qc
 
     def to_dict(self) -> dict[str, Any]:

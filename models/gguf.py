@@ -26,10 +26,11 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 
 from tinyrt.errors import ModelFormatError
 from tinyrt.kernels.quant import QuantWeight
-from tinyrt.models.families import family, gguf_family
+from tinyrt.models.config import ModelConfig
+from tinyrt.models.families import gguf_family
 from tinyrt.models.gguf_quants import FORMS, GGUF_TO_QUANT, to_quant
 from tinyrt.models.llama import GGUF_GLOBAL, GGUF_LAYER
-from tinyrt.models.weights import ModelWeights, release_pages
+from tinyrt.models.weights import ModelWeights, held_layers, release_pages
 
 Q = GGMLQuantizationType
 V = GGUFValueType
@@ -301,26 +302,46 @@ class GGUFFile:
     def _arch(self, key: str, default: Any = None) -> Any:
         return self.get(f"{self.arch}.{key}", default)
 
-    def _int(self, key: str, default: Any = None) -> Any:
+    def _int(self, key: str, default: Any = None, per_layer: bool = False) -> Any:
+        """An integer of the architecture's metadata (None if absent and no default). With
+        `per_layer`, GGUF may also give one value per layer (a head count): accepted when all
+        are equal, since tinyrt runs models whose layers are alike."""
         v = self._arch(key, default)
+        if per_layer and isinstance(v, list) and v and all(type(x) is int for x in v):
+            if len(set(v)) > 1:
+                raise ModelFormatError(f"{self.path}: metadata {self.arch}.{key} differs between "
+                                       f"layers ({min(v)} to {max(v)}); tinyrt runs models whose "
+                                       "layers are alike")
+            v = v[0]
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise ModelFormatError(f"{self.path}: metadata {self.arch}.{key} is not an integer")
         return v
 
-    def _float(self, key: str, default: float) -> float:
+    def _float(self, key: str, default: float | None) -> float:
+        """A number of the architecture's metadata (its range is ModelConfig's to check)."""
         v = self._arch(key, default)
+        if v is None:
+            raise ModelFormatError(f"{self.path}: metadata {self.arch}.{key} is missing")
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ModelFormatError(f"{self.path}: metadata {self.arch}.{key} is not a number")
         return float(v)
 
     def config(self) -> dict[str, Any]:
-        """The HF config.json this file describes."""
+        """The HF config.json this file describes, its values checked as config.json's are
+        (ModelConfig) and its sizes against the file's tensors."""
         need = ["embedding_length", "feed_forward_length", "block_count", "attention.head_count"]
         missing = [k for k in need if self._arch(k) is None]
         if missing:
             lacks = ", ".join(f"{self.arch}.{k}" for k in missing)
             raise ModelFormatError(f"{self.path}: metadata lacks {lacks}")
-        hidden, heads = self._int("embedding_length"), self._int("attention.head_count")
+        hidden = self._int("embedding_length")
+        heads = self._int("attention.head_count", per_layer=True)
+        # the layer count bounds every per-layer table built from this config (a converter's
+        # list of expected tensors first): no more layers than the file has tensors of
+        blocks, held = self._int("block_count"), held_layers(self._gguf_names)
+        if blocks > held:
+            raise ModelFormatError(f"{self.path}: metadata {self.arch}.block_count is {blocks}, "
+                                   f"but the file holds tensors of {held} layers")
         head_dim = self._int("attention.key_length", hidden // max(heads, 1))
         rot = self._int("rope.dimension_count")
         if rot is not None and rot != head_dim:
@@ -343,9 +364,9 @@ class GGUFFile:
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": self._int("feed_forward_length"),
-            "num_hidden_layers": self._int("block_count"),
+            "num_hidden_layers": blocks,
             "num_attention_heads": heads,
-            "num_key_value_heads": self._int("attention.head_count_kv", heads),
+            "num_key_value_heads": self._int("attention.head_count_kv", heads, per_layer=True),
             "head_dim": head_dim,
             "max_position_embeddings": self._int("context_length", 2048),
             "rms_norm_eps": self._float("attention.layer_norm_rms_epsilon", 1e-5),
@@ -369,6 +390,7 @@ class GGUFFile:
                     raise ModelFormatError(f"{self.path}: metadata tokenizer.ggml.{name} is not "
                                            "an integer")
                 cfg[key] = v
+        ModelConfig.from_dict(cfg, str(self.path))       # the ranges, as for a config.json
         return cfg
 
     def _rope_scaling(self, cfg: dict) -> dict | None:
@@ -381,18 +403,24 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: rope scaling {kind!r} is not supported")
         # Llama 3.1 files store the per-frequency divisors as a tensor, not the parameters. Accept
         # them only if the standard llama3 parameters reproduce the tensor.
-        freqs = self.tensor("rope_freqs.weight").astype(np.float64).ravel()
-        from tinyrt.models.config import ModelConfig
         from tinyrt.models.rope import rope_inv_freq
 
+        info, d = self.tensors["rope_freqs.weight"], cfg["head_dim"]
+        if info.shape != (d // 2,):       # (checked before head_dim sizes any table)
+            raise ModelFormatError(f"{self.path}: tensor rope_freqs.weight has shape "
+                                   f"{list(info.np_shape)}, head_dim {d} needs [{d // 2}]")
+        freqs = self.tensor("rope_freqs.weight").astype(np.float64)
+        no_match = ModelFormatError(f"{self.path}: its rope_freqs tensor matches no rope scaling "
+                                    "that tinyrt knows")
+        if not (np.isfinite(freqs).all() and freqs.min() >= 1):    # divisors: 1 keeps a frequency
+            raise no_match
         scaling = {"rope_type": "llama3", "factor": float(freqs.max()), "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        base = ModelConfig.from_dict({**cfg, "rope_scaling": None})
-        scaled = ModelConfig.from_dict({**cfg, "rope_scaling": scaling})
+        base = ModelConfig.from_dict({**cfg, "rope_scaling": None}, str(self.path))
+        scaled = ModelConfig.from_dict({**cfg, "rope_scaling": scaling}, str(self.path))
         if np.allclose(rope_inv_freq(base) / rope_inv_freq(scaled), freqs, rtol=1e-3):
             return scaling
-        raise ModelFormatError(f"{self.path}: its rope_freqs tensor matches no rope scaling that "
-                               "tinyrt knows")
+        raise no_match
 
     def tensor_type(self, name: str) -> GGMLQuantizationType:
         return self.tensors[name].tensor_type
@@ -440,9 +468,9 @@ class GGUFFile:
         """The number of heads whose rows llama.cpp permuted in this q/k tensor, or None."""
         if not (self.family.gguf_permuted_qk and hf.endswith(("q_proj.weight", "k_proj.weight"))):
             return None
-        heads = self._arch("attention.head_count")
+        heads = self._int("attention.head_count", per_layer=True)
         if hf.endswith("k_proj.weight"):
-            heads = self._arch("attention.head_count_kv", heads)
+            heads = self._int("attention.head_count_kv", heads, per_layer=True)
         if type(heads) is not int or heads <= 0 or rows % (2 * heads):
             raise ModelFormatError(f"{self.path}: tensor {name} with {rows} rows does not "
                                    f"split into {heads} heads")
@@ -504,22 +532,19 @@ class GGUFWeights(ModelWeights):
 
     def __init__(self, path: str | Path, dtype: str | None = None):
         super().__init__(dtype)
-        from tinyrt.models.config import ModelConfig
-
         self.file = g = GGUFFile(path)
         self.name = str(path)
-        self.config = cfg = ModelConfig.from_dict(g.config())
+        self.config = ModelConfig.from_dict(g.config(), self.name)
         g.drop_arrays("tokenizer.")        # the tokenizer reads the file on its own
-        have = g.hf_shapes()
-        for name, shape in family(cfg.model_type).model.expected_shapes(cfg).items():
-            if name not in have:
-                raise ModelFormatError(f"{path}: tensor {g._gguf_names.get(name, name)!r} "
-                                       f"({name}) is missing")
-            if have[name] != shape:
-                raise ModelFormatError(f"{path}: tensor {g._gguf_names[name]!r} has shape "
-                                       f"{list(have[name])}, its metadata needs {list(shape)}")
+        self.check_shapes(g.hf_shapes())
         self._quantized = bool(g.layer_types() & set(GGUF_TO_QUANT))
         self.nbytes = g.path.stat().st_size
+
+    config_name = "its metadata"
+
+    def _stored_name(self, hf: str) -> str:
+        gguf = self.file._gguf_names.get(hf)
+        return f"{gguf} ({hf})" if gguf else hf
 
     def tensor(self, name: str) -> np.ndarray:
         return self.file.hf_tensor(name)

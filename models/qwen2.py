@@ -18,7 +18,7 @@ class Qwen2Model(LlamaModel):
 
 def adapt_config(d: dict) -> dict:
     if d.get("use_sliding_window"):
-        raise ModelFormatError("config.json: Qwen2 with use_sliding_window (a window on some "
+        raise ModelFormatError("Qwen2 with use_sliding_window (a window on some "
                                "layers only) is not supported")
     return {**d, "sliding_window": None}
 

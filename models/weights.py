@@ -10,6 +10,7 @@ package copies every tensor into memory, while a runtime wants pages mapped stra
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -31,6 +32,7 @@ _NAMES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.
           np.dtype(np.int8): "I8", np.dtype(np.uint64): "U64", np.dtype(np.uint32): "U32",
           np.dtype(np.uint16): "U16", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's limit
+MAX_DIMS = 8                    # no model tensor has more (NumPy's limit is 64)
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -67,13 +69,20 @@ class SafetensorsFile:
         for name, e in header.items():
             try:
                 dtype, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
-                ok = (dtype in DTYPES and all(isinstance(s, int) and s >= 0 for s in shape)
+                ok = (dtype in DTYPES and len(shape) <= MAX_DIMS
+                      and all(isinstance(s, int) and s >= 0 for s in shape)
                       and isinstance(begin, int) and isinstance(end, int))
             except (TypeError, KeyError, ValueError):
                 ok = False
             if not ok:
                 raise ModelFormatError(f"{bad} (bad header entry for {name!r})")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+            # exact (Python ints: an int64 product wraps around); an empty tensor's other
+            # dimensions are bounded too, since NumPy refuses an array that could not be addressed
+            itemsize = np.dtype(DTYPES[dtype]).itemsize
+            nbytes = math.prod(shape) * itemsize
+            if math.prod(s for s in shape if s) * itemsize >= 2**62:
+                raise ModelFormatError(f"{bad} (tensor {name!r} has a shape too large for "
+                                       "any file)")
             if not (0 <= begin <= end <= data_len) or end - begin != nbytes:
                 raise ModelFormatError(
                     f"{self.path}: tensor {name!r} ({dtype} {list(shape)}) lies outside the file "
@@ -242,6 +251,12 @@ def write_safetensors(path: str | Path, specs: list[tuple[str, np.dtype, tuple[i
 FLOAT_TYPES = {"f16": np.float16, "f32": np.float32}
 
 
+def held_layers(names: Iterable[str]) -> int:
+    """How many decoder layers the tensors `names` (HF names) belong to: what bounds the layer
+    count a config may claim, known before anything is built per layer."""
+    return len({n.split(".", 3)[2] for n in names if n.startswith("model.layers.")})
+
+
 class ModelWeights:
     """What a decoder reads from a model file, whatever its format (a model directory: below;
     a GGUF file: models.gguf): float tensors by HF name, each linear layer as a float weight
@@ -251,9 +266,36 @@ class ModelWeights:
 
     A format implements `tensor`, `_linear`, `_embedding`, `_head`, `release`, `nbytes`,
     `_stored_types` and `_form`; it checks every tensor's presence and shape against the config
-    when built."""
+    when built (`check_shapes`)."""
 
     name: str = ""      # the file or directory, for messages
+    config_name = "the config"      # what sets the sizes, for messages
+
+    def check_shapes(self, have: dict[str, tuple[int, ...]]) -> None:
+        """Refuse weights (`have`: HF name -> shape) that do not hold the config's model, before
+        anything is allocated: first the layer count, against the layers the file holds (the
+        expected shapes are listed per layer, and a config that claims 10^8 layers would take
+        gigabytes to list), then each tensor's presence and shape (which bounds every other
+        size: vocabulary, hidden, heads)."""
+        from tinyrt.models.families import family      # (models.llama imports this module)
+
+        cfg, held = self.config, held_layers(have)
+        if cfg.num_hidden_layers > held:
+            raise ModelFormatError(f"{self.name}: {self.config_name} claims "
+                                   f"{cfg.num_hidden_layers} layers (num_hidden_layers), its "
+                                   f"tensors hold {held}")
+        for name, shape in family(cfg.model_type).model.expected_shapes(cfg).items():
+            if name not in have:
+                raise ModelFormatError(
+                    f"{self.name}: tensor {self._stored_name(name)!r} is missing")
+            if tuple(have[name]) != shape:
+                raise ModelFormatError(
+                    f"{self.name}: tensor {self._stored_name(name)!r} has shape "
+                    f"{list(have[name])}, {self.config_name} needs {list(shape)}")
+
+    def _stored_name(self, hf: str) -> str:
+        """A tensor's name in the file (for messages)."""
+        return hf
 
     def __init__(self, dtype: str | None = None):
         if dtype not in (None, *FLOAT_TYPES):
@@ -361,19 +403,12 @@ class DirectoryWeights(ModelWeights):
     (config.json `quantization_config`, kernels.awq_layout), mapped into kernels.quant's form
     as each layer is read."""
 
-    def __init__(self, directory: str | Path, config, shapes: dict[str, tuple[int, ...]],
-                 dtype: str | None = None):
+    def __init__(self, directory: str | Path, config, dtype: str | None = None):
         super().__init__(dtype)
         self.store = WeightStore(directory)
         self.name = str(directory)
         self.config = config
-        for name, shape in shapes.items():
-            if name not in self.store:
-                raise ModelFormatError(f"{directory}: tensor {name!r} is missing")
-            if tuple(self.store.shape(name)) != shape:
-                raise ModelFormatError(
-                    f"{directory}: tensor {name!r} has shape {list(self.store.shape(name))}, "
-                    f"the config needs {list(shape)}")
+        self.check_shapes({n: self.store.shape(n) for n in self.store.keys()})
         self._quantized = config.quant is not None
         self.nbytes = self.store.nbytes
 

@@ -256,3 +256,143 @@ def test_the_default_model_parses_quickly(default_gguf):
     took = time.perf_counter() - t
     assert len(g.get("tokenizer.ggml.tokens")) == 49152 and g.config()["num_hidden_layers"] == 30
     assert took < 1.0, took          # ~0.05 s here; GGUFReader took 2-5 s
+
+
+def _tensor_header(dims, qtype, offset):
+    """A header with one tensor `t.weight` (GGUF dims, type number, offset), padded to the data
+    start."""
+    import struct
+
+    name = b"t.weight"
+    info = (struct.pack("<Q", len(name)) + name + struct.pack("<I", len(dims))
+            + b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", qtype, offset))
+    head = _header(n_tensors=1) + info
+    return head + bytes(-len(head) % 32)
+
+
+@pytest.mark.parametrize("offset, ok", [(0, True), (32, False), (2**63, False)])
+def test_reader_refuses_a_tensor_placed_past_the_end(tmp_path, offset, ok):
+    """The file holds every byte of its tensor (8 float32s), but the header places it beyond."""
+    from tinyrt.models.gguf import GGUFFile
+
+    p = tmp_path / "past.gguf"
+    p.write_bytes(_tensor_header([8], 0, offset) + np.arange(8, dtype=np.float32).tobytes())
+    if ok:                             # (the same file, placed right, reads back)
+        np.testing.assert_array_equal(GGUFFile(p).tensor("t.weight"), np.arange(8))
+        return
+    with pytest.raises(ModelFormatError, match=r"tensor t\.weight runs past the end") as e:
+        GGUFFile(p)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dims, qtype", [
+    ([2**62 + 8], 0),                  # F32: 4 * (2^62 + 8) = 2^64 + 32 bytes, 32 in u64 arithmetic
+    ([2**64 - 32, 2**64 - 1], 2),      # Q4_0: (2^64 - 32) / 32 blocks of 18 bytes, 2^64 - 1 rows
+    ([2**32, 2**32, 2**32, 2**32], 0),  # 2^128 elements
+])
+def test_reader_refuses_a_shape_whose_byte_count_overflows(tmp_path, dims, qtype):
+    """A shape whose size in bytes exceeds 64 bits: wrapped around, the first would claim 32
+    bytes, the 32 the file holds; counted exactly, it runs past the end."""
+    from tinyrt.models.gguf import GGUFFile
+
+    p = tmp_path / "huge.gguf"
+    p.write_bytes(_tensor_header(dims, qtype, 0) + bytes(32))
+    with pytest.raises(ModelFormatError, match=r"tensor t\.weight runs past the end") as e:
+        GGUFFile(p)
+    assert "\n" not in str(e.value)
+
+
+# -- hostile metadata: each a clear error from the reader, which the converter and the runtime
+# both read through (GGUFFile.config) ---------------------------------------------------------
+
+def hostile_gguf(path, changes: dict, tensors: dict | None = None, cfg: dict | None = None):
+    """The tiny llama GGUF of `_tiny_gguf` (float32) with metadata `changes`: key -> (value,
+    GGUFValueType, item type of an array or None), replacing a key the writer adds or added;
+    `tensors` (GGUF name -> array) added. Returns `path`."""
+    from unittest import mock
+
+    import gguf
+
+    class Writer(gguf.GGUFWriter):
+        def add_key_value(self, key, val, vtype, sub_type=None):
+            if key not in changes:
+                super().add_key_value(key, val, vtype, sub_type=sub_type)
+
+        def write_header_to_file(self, path=None):
+            for key, (val, vtype, sub_type) in changes.items():
+                super().add_key_value(key, val, vtype, sub_type=sub_type)
+            for name, a in (tensors or {}).items():
+                self.add_tensor(name, a)
+            super().write_header_to_file(path)
+
+    cfg = cfg or tiny_config()
+    with mock.patch.object(gguf, "GGUFWriter", Writer):
+        write_gguf(path, cfg, random_weights(cfg, seed=7),
+                   byte_level_tokenizer(cfg["vocab_size"]).to_str(), chat_template=CHATML)
+    return path
+
+
+def _v():
+    from gguf import GGUFValueType
+
+    return GGUFValueType
+
+
+HOSTILE_METADATA = {
+    # name: (changes, extra tensors, words the one line names)
+    "string hidden size": ({"llama.embedding_length": ("96", "STRING", None)}, None,
+                           "llama.embedding_length is not an integer"),
+    "string epsilon": ({"llama.attention.layer_norm_rms_epsilon": ("1e-5", "STRING", None)}, None,
+                       "llama.attention.layer_norm_rms_epsilon is not a number"),
+    "NaN epsilon": ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), "FLOAT32", None)},
+                    None, "rms_norm_eps must be a finite number, got nan"),
+    "infinite theta": ({"llama.rope.freq_base": (float("inf"), "FLOAT32", None)}, None,
+                       "rope_theta must be a finite number"),
+    "head counts that differ": ({"llama.attention.head_count": ([6, 3], "ARRAY", "UINT32")}, None,
+                                "llama.attention.head_count differs between layers"),
+    "a list of strings for heads": ({"llama.attention.head_count_kv": (["2"], "ARRAY", "STRING")},
+                                    None, "llama.attention.head_count_kv is not an integer"),
+    "linear scaling without a factor": ({"llama.rope.scaling.type": ("linear", "STRING", None)},
+                                        None, "llama.rope.scaling.factor is missing"),
+    "a zero linear factor": ({"llama.rope.scaling.type": ("linear", "STRING", None),
+                              "llama.rope.scaling.factor": (0.0, "FLOAT32", None)}, None,
+                             "rope_scaling.factor (linear) must be at least 1"),
+    "rope_freqs of the wrong length": ({}, {"rope_freqs.weight": np.ones(5, np.float32)},
+                                       r"rope_freqs.weight has shape [5], head_dim 16 needs [8]"),
+    "rope_freqs holding NaN": ({}, {"rope_freqs.weight": np.full(8, np.nan, np.float32)},
+                               "rope_freqs tensor matches no rope scaling"),
+    "a billion layers": ({"llama.block_count": (10**9, "UINT32", None)}, None,
+                         "llama.block_count is 1000000000, but the file holds tensors of 2 layers"),
+    "a context of 2^62": ({"llama.context_length": (2**62, "UINT64", None)}, None,
+                          "max_position_embeddings must be between 1 and 2147483647"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_METADATA)
+def test_hostile_metadata_is_one_clear_line(tmp_path, case):
+    from tinyrt.models.gguf import GGUFFile, GGUFWeights
+
+    changes, tensors, words = HOSTILE_METADATA[case]
+    V = _v()
+    changes = {k: (v, V[t], sub and V[sub]) for k, (v, t, sub) in changes.items()}
+    path = hostile_gguf(tmp_path / "bad.gguf", changes, tensors)
+    for read in (lambda: GGUFFile(path).config(), lambda: GGUFWeights(path)):
+        with pytest.raises(ModelFormatError) as e:
+            read()
+        msg = str(e.value)
+        assert msg.startswith(str(path)) and words in msg and "\n" not in msg, msg
+
+
+def test_per_layer_head_counts_that_agree_are_read_as_one(tmp_path):
+    """GGUF may give head_count_kv (and head_count) per layer: when every layer has the same,
+    the file is the model with that count, and runs as the plain file does."""
+    from tinyrt.models.gguf import GGUFFile
+
+    V = _v()
+    plain = hostile_gguf(tmp_path / "plain.gguf", {})
+    per_layer = hostile_gguf(tmp_path / "per-layer.gguf", {
+        "llama.attention.head_count": ([6, 6], V.ARRAY, V.UINT32),
+        "llama.attention.head_count_kv": ([2, 2], V.ARRAY, V.UINT32)})
+    assert GGUFFile(per_layer).config() == GGUFFile(plain).config()
+    ids = [5, 70, 3, 200]
+    np.testing.assert_array_equal(_ours_logits(per_layer, ids), _ours_logits(plain, ids))

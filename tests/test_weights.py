@@ -132,3 +132,49 @@ def test_not_a_safetensors_file(tmp_path, content):
 def test_missing_weights(tmp_path):
     with pytest.raises(ModelFormatError, match="no .safetensors"):
         WeightStore(tmp_path)
+
+
+def _raw_safetensors(path, header: dict, data: bytes = b""):
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+@pytest.mark.parametrize("shape", [[2**40, 2**40], [2**70], [0, 2**62], [1] * 65])
+def test_shapes_no_file_holds_are_refused(tmp_path, shape):
+    """Shapes whose element count an int64 product wraps around (2^80 -> 0: an "empty" tensor
+    of 0 bytes), overflows, or no array can have (an empty one of 2^62 columns, 65 dimensions):
+    counted exactly, each is one line, not an OverflowError or NumPy's ValueError."""
+    path = tmp_path / "huge.safetensors"
+    _raw_safetensors(path, {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})
+    with pytest.raises(ModelFormatError, match="huge.safetensors") as e:
+        np.array(SafetensorsFile(path).get("w"))
+    assert "\n" not in str(e.value)
+
+
+def test_an_empty_tensor_still_reads(tmp_path):
+    path = tmp_path / "empty.safetensors"
+    _raw_safetensors(path, {"w": {"dtype": "F32", "shape": [0, 4096], "data_offsets": [0, 0]}})
+    assert SafetensorsFile(path).get("w").shape == (0, 4096)
+
+
+def test_a_config_claiming_more_layers_than_the_weights_hold_is_refused_first(tmp_path):
+    """num_hidden_layers 10^8 over a 2-layer file: refused from the file's tensors before the
+    per-layer list of expected tensors (some 3.7 GB for 10^8 layers) is built."""
+    import tracemalloc
+
+    from helpers import tiny_config, write_tiny_model
+    from tinyrt.models import open_weights
+
+    d = write_tiny_model(tmp_path / "m")
+    (d / "config.json").write_text(json.dumps(tiny_config(num_hidden_layers=10**8)))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFormatError, match="claims 100000000 layers .*its tensors hold 2"):
+            open_weights(d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 << 20, peak        # (the list alone: some 3.7 GB)
+    (d / "config.json").write_text(json.dumps(tiny_config(num_hidden_layers=3)))
+    with pytest.raises(ModelFormatError, match="claims 3 layers .*its tensors hold 2"):
+        open_weights(d)
