@@ -4,9 +4,18 @@ that our reader is checked against files it did not produce)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
+from hypothesis import HealthCheck, settings
+
+# Property tests' settings: TINYRT_FUZZ_EXAMPLES examples a test (60; more for a long campaign),
+# fresh ones every run (hypothesis prints a failure's example and how to replay it), and no
+# deadline, which would be a timed assertion (tests/test_fuzz.py guards its calls against hangs)
+FUZZ_EXAMPLES = int(os.environ.get("TINYRT_FUZZ_EXAMPLES", "60"))
+fuzz = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=False,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
           " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"

@@ -3,7 +3,7 @@
 import pytest
 
 import tinyrt
-from helpers import tiny_config, write_tiny_model
+from helpers import assert_refused, run_tinyrt, tiny_config, write_tiny_model
 from tinyrt import bench
 from tinyrt.converters import convert
 
@@ -51,3 +51,26 @@ def test_bench_counts_the_cuda_backend_s_tensors(tmp_path):
     names = ("qkv", "o", "gate_up", "down")
     floats = sum(getattr(L, n).nbytes for L in cpu.layers for n in names) + cpu.lm_head.nbytes
     assert bench.weight_bytes(gpu) == bench.weight_bytes(cpu) - floats // 2 > 0
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--decode-tokens", "0"], "--decode-tokens"), (["--prompt-tokens", "-1"], "--prompt-tokens"),
+    (["--prompt-tokens", "1e12"], "--prompt-tokens"), (["--runs", "0"], "--runs"),
+    (["--runs", "two"], "--runs"), (["--decode-tokens", "2.5"], "--decode-tokens"),
+    (["--prompt-tokens", str(bench.MAX_TOKENS + 1)], "--prompt-tokens"),
+])
+def test_bad_sizes_are_refused_before_loading(tmp_path, args, flag):
+    """(The model does not exist: the option is refused first, before a cache of the sizes'
+    sum is allocated.)"""
+    assert_refused(run_tinyrt("bench", str(tmp_path / "no-model"), *args), flag)
+
+
+def test_bench_run_refuses_what_it_cannot_measure(tmp_path):
+    from tinyrt.errors import TinyrtError
+
+    llm = tinyrt.LLM(write_tiny_model(tmp_path / "m", tiny_config()), kv_size=32)
+    for bad in (dict(decode_tokens=0), dict(prompt_tokens=0), dict(runs=0), dict(runs=True)):
+        with pytest.raises(TinyrtError, match=next(iter(bad))):
+            bench.run(llm, **{"prompt_tokens": 8, "decode_tokens": 2, "runs": 1, **bad})
+    r = bench.run(llm, prompt_tokens=8, decode_tokens=1, runs=1)     # one token: one step
+    assert r["decode_tok_s"] > 0

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tinyrt
-from helpers import tiny_config, write_tiny_model
+from helpers import HOSTILE_BYTES, run_tinyrt, tiny_config, write_tiny_model
 from tinyrt import chat as chat_module
 from tinyrt.errors import CacheFullError, TinyrtError
 
@@ -282,6 +282,95 @@ def test_a_model_without_a_chat_template(tiny, tmp_path):
     assert len(prompt) <= len(whole) - 20        # the second turn alone
 
 
+def _saved(path, settings=None, messages=None, system=None):
+    path.write_text(json.dumps({"format": "tinyrt-chat", "version": 1, "system": system,
+                                "messages": messages or [{"role": "user", "content": "hi"},
+                                                         {"role": "assistant", "content": "yo"}],
+                                "settings": settings or {}}))
+    return path
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"seed": -5}, "seed"), ({"seed": 2**64}, "seed"), ({"stop": [1, 2]}, "stop"),
+    ({"stop": "\ud800"}, "stop"), ({"top_k": 2.5}, "top_k"), ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"repeat_penalty": 1e-320}, "repeat_penalty"), ({"__class__": 1}, "__class__"),
+])
+def test_load_refuses_settings_it_cannot_use(tiny, tmp_path, settings, words):
+    """A saved chat's settings are checked as every front end's options: a bad one is refused
+    at /load, naming the file and the setting, and the session stays as it was."""
+    chat = tinyrt.ChatSession(tinyrt.LLM(tiny, kv_size=256), max_tokens=4, temperature=0)
+    list(chat.send("one"))
+    history, before = chat.history, dict(chat.settings)
+    path = _saved(tmp_path / "c.json", settings)
+    with pytest.raises(TinyrtError) as e:
+        chat.load(path)
+    assert words in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+    assert chat.history == history and chat.settings == before
+
+
+def test_load_takes_settings_that_mean_something(tiny, tmp_path):
+    """seed -1 (random), stop null (none), a temperature so small it is greedy, max_tokens
+    null (the default): loaded, and the next turn runs on them."""
+    llm = tinyrt.LLM(tiny, kv_size=256)
+    chat = tinyrt.ChatSession(llm, max_tokens=4, temperature=0.7)
+    chat.load(_saved(tmp_path / "c.json", {"seed": -1, "stop": None, "temperature": 1e-320,
+                                           "max_tokens": None, "ignore_eos": True}))
+    assert chat.settings["seed"] is None and chat.settings["temperature"] == 0.0
+    reply = "".join(r.text for r in chat.send("two"))
+    assert chat.last_finish == "length"               # (to the full cache: 512 is the default)
+    greedy = tinyrt.ChatSession(llm, temperature=0, ignore_eos=True,
+                                max_tokens=chat.last.generated_tokens)
+    greedy.load(_saved(tmp_path / "d.json"))
+    assert "".join(r.text for r in greedy.send("two")) == reply
+
+
+def test_load_refuses_more_text_than_the_cache_could_hold(tiny, tmp_path):
+    """A 20 MB message (under the file cap) is refused at /load, before it is tokenized (which
+    would take gigabytes); as is text no tokenizer takes. The session stays as it was."""
+    llm = tinyrt.LLM(tiny, kv_size=256)
+    chat = tinyrt.ChatSession(llm, max_tokens=4, temperature=0)
+    list(chat.send("one"))
+    history = chat.history
+
+    def no(*a, **k):
+        raise AssertionError("tokenized")
+
+    encode, llm.tokenizer.encode = llm.tokenizer.encode, no
+    big = _saved(tmp_path / "big.json", messages=[{"role": "user", "content": "x" * 20_000_000}])
+    with pytest.raises(TinyrtError, match="KV cache of 256 tokens"):
+        chat.load(big)
+    with pytest.raises(TinyrtError, match="not valid Unicode"):
+        chat.load(_saved(tmp_path / "s.json", system="\udcff"))
+    llm.tokenizer.encode = encode
+    assert chat.history == history
+    # what fits is taken, and a streaming cache takes more than its size (within a bound)
+    chat.load(_saved(tmp_path / "ok.json", messages=[{"role": "user", "content": "x" * 4000}]))
+    sink = tinyrt.ChatSession(tinyrt.LLM(tiny, kv_size=64, kv_policy="sink"), max_tokens=2)
+    sink.load(_saved(tmp_path / "long.json", messages=[{"role": "user", "content": "ab " * 5000}]))
+    list(sink.send("more"))
+    assert sink.last.prompt_tokens > 64
+
+
+def test_send_refuses_bad_settings_and_text(tiny):
+    chat = tinyrt.ChatSession(tinyrt.LLM(tiny, kv_size=256), max_tokens=4, temperature=0)
+    with pytest.raises(TinyrtError, match="top_k"):
+        tinyrt.ChatSession(chat.llm, top_k=2.5)
+    with pytest.raises(TinyrtError, match="temperature"):
+        chat.configure(temperature=float("nan"))
+    assert chat.settings["temperature"] == 0
+    with pytest.raises(TinyrtError, match="seed"):
+        list(chat.send("one", seed=-3))
+    with pytest.raises(TinyrtError, match="not valid Unicode"):
+        list(chat.send("a\ud800"))
+    with pytest.raises(TinyrtError, match="KV cache of 256 tokens"):
+        list(chat.send("y" * 100_000))
+    assert chat.messages == []
+    chat.settings["stop"] = "x"                   # (set directly: checked at the next turn)
+    list(chat.send("one"))
+    assert len(chat.messages) == 2
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 def test_piped_chat(tiny, tmp_path):
@@ -302,6 +391,27 @@ def test_piped_chat(tiny, tmp_path):
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "/reset to start over" in p.stderr and "conversation cleared" in p.stderr
     assert p.stderr.count("tokens · cache") >= 2
+
+
+def test_piped_chat_survives_bad_input(tiny, tmp_path):
+    """Piped lines that are not UTF-8 (or too long) are skipped with a note; /load of settings
+    the chat cannot use or of a 20 MB message is refused in one note, within the memory bar;
+    /temp with a bad value too; the chat goes on and its turns are answered."""
+    bad = _saved(tmp_path / "bad.json", {"seed": -5, "stop": [1, 2]})
+    big = _saved(tmp_path / "big.json", messages=[{"role": "user", "content": "x" * 20_000_000}])
+    lines = (b"caf\xe9\n" + b"/load " + str(bad).encode() + b"\n/load " + str(big).encode()
+             + b"\n/temp -1\n/temp 1e-320\n" + b"z" * (2 << 20) + b"\nhello\n/stats\n")
+    p = run_tinyrt("chat", "-m", str(tiny), "-n", "4", input=lines)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.peak_bytes < HOSTILE_BYTES
+    notes = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(notes) == 5, p.stderr
+    assert "input line 1 is not valid UTF-8" in notes[0] and "0xe9" in notes[0]
+    assert "bad.json" in notes[1] and "seed" in notes[1]
+    assert "big.json" in notes[2] and "KV cache" in notes[2]
+    assert "temperature" in notes[3]
+    assert "input line 6 is over" in notes[4]
+    assert "temperature = 0.0" in p.stderr and "last reply: TTFT" in p.stderr
 
 
 def spawn_chat(model, tmp_path, *args):

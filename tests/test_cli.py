@@ -1,17 +1,15 @@
 """The command line as a user runs it: the real `tinyrt` command in a subprocess."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
-from helpers import tiny_config, write_tiny_model
+from helpers import assert_refused, run_tinyrt, tiny_config, write_tiny_model
 
 
 def tinyrt(*args, input=None, timeout=600):
@@ -94,7 +92,7 @@ def test_errors_are_one_clear_line(tmp_path):
         _one_line_error(tinyrt("generate", "-m", str(bad), "hi"), words)
 
     _one_line_error(tinyrt("generate", "-m", str(d), "hi " * 50, "--kv-size", "16"), "prompt has")
-    _one_line_error(tinyrt("convert", str(d), str(d)), "already exists")
+    _one_line_error(tinyrt("convert", str(d), str(d)), "refusing to write over the source")
     _one_line_error(tinyrt("convert", str(d), str(tmp_path / "o"), "--max-shard-size", "0GB"),
                     "not a size")
     _one_line_error(tinyrt("generate", "-m", str(d), "hi", "--top-p", "2"), "top-p")
@@ -144,3 +142,65 @@ def test_convert_killed_leaves_all_or_nothing(tmp_path, default_gguf, sig, at):
     p = tinyrt("convert", str(default_gguf), str(out), "--method", "none", "--dtype", "f16", "--force")
     assert p.returncode == 0, p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["out"]
+
+
+# -- bad values of the generation options, bad bytes: one line, before the model loads -----------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("cli") / "m", tiny_config(), seed=3)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--seed", "-2"], ["--seed", "-2"]), (["--seed", "1.5"], ["--seed"]),
+    (["--top-k", "2.5"], ["--top-k", "integer"]), (["--top-k", "-1"], ["--top-k"]),
+    (["--temperature", "nan"], ["--temperature"]), (["--temperature", "hot"], ["--temperature"]),
+    (["--temperature", "1e999"], ["--temperature"]), (["--top-p", "0"], ["--top-p"]),
+    (["--min-p", "-0.1"], ["--min-p"]), (["--repeat-penalty", "0"], ["--repeat-penalty"]),
+    (["-n", "0"], ["--max-tokens"]), (["--max-tokens", "9" * 30], ["--max-tokens"]),
+    (["--stop", ""], ["--stop"]), (["--device", "tpu"], ["--device"]),
+])
+def test_bad_generation_options_are_refused_before_loading(tmp_path, args, words):
+    """The model named does not exist: the option is what is refused, so it was checked first."""
+    p = run_tinyrt("generate", "-m", str(tmp_path / "no-model"), "hi", *args)
+    assert_refused(p, *words)
+
+
+@pytest.mark.parametrize("args, words", [
+    ([b"a\xffb"], ["PROMPT", "UTF-8", "0xff"]),
+    (["hi", "--system", b"\xc3("], ["--system", "UTF-8"]),
+    (["hi", "--stop", b"\xfe"], ["--stop", "UTF-8"]),
+    ([""], ["PROMPT", "empty"]),
+])
+def test_prompts_that_are_not_text_are_refused(tiny_dir, args, words):
+    """Arguments of bytes that are not UTF-8 (Python hands them over surrogate-escaped), and an
+    empty prompt: one line naming the argument."""
+    assert_refused(run_tinyrt("generate", "-m", str(tiny_dir), *args), *words)
+
+
+def test_a_prompt_on_stdin_that_is_not_text(tiny_dir):
+    p = run_tinyrt("generate", "-m", str(tiny_dir), "-", input=b"caf\xe9 au lait")
+    assert_refused(p, "PROMPT", "stdin", "UTF-8", "0xe9")
+    p = run_tinyrt("generate", "-m", str(tiny_dir), "-", input=b"")
+    assert_refused(p, "PROMPT", "empty")
+    p = run_tinyrt("generate", "-m", str(tiny_dir), "-", "-n", "3", input="café".encode())
+    assert p.returncode == 0 and p.stdout.strip(), p.stderr
+
+
+def test_edge_values_that_mean_something_run(tiny_dir, tmp_path):
+    """--seed -1 is a random seed (llama.cpp's meaning); a temperature below 1e-5 is greedy;
+    a generation_config.json value the sampler cannot use is a warning and the default."""
+    run = ("generate", "-m", str(tiny_dir), "hi", "-n", "6", "--ignore-eos", "--json")
+    greedy = run_tinyrt(*run, "--temperature", "0")
+    assert greedy.returncode == 0, greedy.stderr
+    for extra in (["--seed", "-1", "--temperature", "1e-320"], ["--temperature", "4e-6"]):
+        p = run_tinyrt(*run, *extra)
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["text"] == json.loads(greedy.stdout)["text"]
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir, d)
+    (d / "generation_config.json").write_text('{"top_k": 2.5, "temperature": 0.7}')
+    p = run_tinyrt("generate", "-m", str(d), "hi", "-n", "3", "--seed", "1")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "top_k" in lines[0] and "using the default" in lines[0], lines

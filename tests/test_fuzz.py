@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tinyrt.chat import FORMAT
@@ -25,11 +26,9 @@ from tinyrt.models.config import ModelConfig
 from tinyrt.models.weights import SafetensorsFile, WeightStore
 from tinyrt.tokenizer import load_tokenizer
 
-from helpers import CHATML, random_weights, tiny_config, write_tiny_model
+from helpers import CHATML, fuzz, random_weights, tiny_config, write_tiny_model
 
-EXAMPLES = int(os.environ.get("TINYRT_FUZZ_EXAMPLES", "60"))
-fuzz = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("TINYRT_FUZZ_EXAMPLES"),
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+HANG_SECONDS = 60       # a call running longer is a hang (the bar: 10 s on a quiet machine)
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64) | st.floats() | st.text(max_size=20),
@@ -38,13 +37,22 @@ JSON = st.recursive(
 
 
 def expect_clean(call) -> object:
-    """Run `call`: a result, or our error with a one-line message; anything else fails the test."""
+    """Run `call`: a result, or our error with a one-line message; anything else fails the test,
+    and so does a call still running after HANG_SECONDS (stopped where Python code runs)."""
+    def hung(*_):
+        raise AssertionError(f"still running after {HANG_SECONDS} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, HANG_SECONDS)
     try:
         return call()
     except TinyrtError as e:
         msg = str(e)
         assert msg and "\n" not in msg.strip(), f"not a one-line message: {msg!r}"
         return None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @st.composite

@@ -1,6 +1,5 @@
 """The generation loop on a tiny random model: finish reasons, stop strings, limits, timings."""
 
-import numpy as np
 import pytest
 
 from helpers import tiny_config, write_tiny_model
@@ -99,3 +98,80 @@ def test_an_unknown_weight_type_is_refused_before_loading(tiny_llm, monkeypatch)
     monkeypatch.setattr(tinyrt.api, "load_model", broken)
     with pytest.raises(ValueError, match="fault inside"):
         tinyrt.LLM(tiny_llm.directory, dtype="f32")
+
+
+# -- what the API refuses, before any work -------------------------------------------------------
+
+def _untouched(llm, monkeypatch):
+    """Fail the test if the model runs a forward pass or the tokenizer sees text."""
+    def no(*a, **k):
+        raise AssertionError("work done for a request that is refused")
+
+    monkeypatch.setattr(llm.model, "forward", no)
+    monkeypatch.setattr(llm.tokenizer, "encode", no)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda llm: llm.generate("", raw=True), "empty"),
+    (lambda llm: llm.generate([]), "empty"),
+    (lambda llm: llm.generation([]), "empty"),
+    (lambda llm: llm.complete([]), "empty"),
+    (lambda llm: llm.generation([1, 320]), "[0, 320)"),
+    (lambda llm: llm.generation([-1]), "[0, 320)"),
+    (lambda llm: llm.generation("abc"), "list of integers"),
+    (lambda llm: llm.generation([1.5, 2]), "list of integers"),
+    (lambda llm: llm.generation([True]), "list of integers"),
+    (lambda llm: llm.generation([2**70]), "list of integers"),
+    (lambda llm: llm.generation([5], top_k=2.5), "top_k"),
+    (lambda llm: llm.generation([5], top_k="40"), "top_k"),
+    (lambda llm: llm.generate("hi", seed=-2), "seed"),
+    (lambda llm: llm.generate("hi", temperature=float("nan")), "temperature"),
+    (lambda llm: llm.generate("hi", max_tokens=0), "max_tokens"),
+    (lambda llm: llm.generate("hi", stop=[1, 2]), "stop"),
+    (lambda llm: llm.generate("hi", repeat_penalty=0), "repeat_penalty"),
+    (lambda llm: llm.generate("hi", bogus=1), "unknown setting 'bogus'"),
+    (lambda llm: llm.generate("a\ud800b"), "not valid Unicode"),
+    (lambda llm: llm.generate("hi", system="\udcff"), "not valid Unicode"),
+    (lambda llm: llm.generate("x" * 20_000), "KV cache of 64 tokens"),
+])
+def test_the_api_refuses_bad_input_in_one_line_before_any_work(tiny_llm, monkeypatch, call, words):
+    from tinyrt.errors import TinyrtError
+
+    _untouched(tiny_llm, monkeypatch)
+    with pytest.raises(TinyrtError) as e:
+        call(tiny_llm)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_usable_edge_settings_run(tiny_llm):
+    """seed -1 (a random seed, as llama.cpp), a temperature so small it is greedy, a stop
+    string given as a string, None for the defaults."""
+    greedy = tiny_llm.generate("hi", max_tokens=6, temperature=0, ignore_eos=True)
+    assert tiny_llm.generate("hi", max_tokens=6, temperature=1e-320, seed=-1, ignore_eos=True) \
+        == greedy
+    stop = greedy[2:4]
+    assert stop
+    text = tiny_llm.generate("hi", max_tokens=6, temperature=0, stop=stop, ignore_eos=True,
+                             seed=None, top_k=None)
+    assert text == greedy[:greedy.index(stop)]
+
+
+def test_bad_generation_config_values_warn_and_take_the_default(tmp_path, capfd):
+    """generation_config.json's values the sampler cannot use are left out with one line each
+    on stderr (the model runs as without them); the usable ones are taken."""
+    import json
+
+    import tinyrt
+
+    d = write_tiny_model(tmp_path / "m", tiny_config())
+    (d / "generation_config.json").write_text(json.dumps(
+        {"top_k": 2.5, "temperature": "hot", "top_p": -1, "min_p": 0.2, "repetition_penalty": None,
+         "do_sample": True}))
+    llm = tinyrt.LLM(d, kv_size=64)
+    assert llm.sampling_defaults() == {"min_p": 0.2}
+    assert llm.sampling_defaults() == {"min_p": 0.2}          # (warned once)
+    llm.generate("hi", max_tokens=3)
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 3 and all(line.startswith("warning: ") for line in err), err
+    for name in ("top_k", "temperature", "top_p"):
+        assert sum(name in line and "generation_config.json" in line for line in err) == 1

@@ -93,3 +93,120 @@ def test_a_tiny_temperature_is_the_greedy_limit():
     for t in (1e-320, 1e-30):
         assert Sampler(SamplingParams(temperature=t, top_k=0, top_p=1.0, min_p=0.0))(x) == \
             int(np.argmax(x))
+
+
+# -- the one check of every generation setting (sampling.check_settings) -------------------------
+
+import dataclasses
+import math
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tinyrt.sampling import (MIN_TEMPERATURE, OPTIONS, RULES, SettingError, check_settings,
+                             check_value)
+
+EXAMPLES = int(os.environ.get("TINYRT_FUZZ_EXAMPLES", "500"))
+fuzz = settings(max_examples=EXAMPLES, deadline=None,
+                derandomize=not os.environ.get("TINYRT_FUZZ_EXAMPLES"),
+                suppress_health_check=[HealthCheck.too_slow])
+
+# values of every type a caller, a JSON file or a command line may hand over; the edges of the
+# ranges (and past them: what overflows, what divides to inf) often
+EDGES = st.sampled_from([0, -0.0, 5e-324, 1e-320, 1e-300, 1e-30, 1e-5, 0.01, 1, 2, 100, 1e300,
+                         -1, -2, 2**63, 2**64, 10**400 // 10**300, float("nan"), float("inf"),
+                         -float("inf")])
+ANY = st.one_of(
+    EDGES, st.none(), st.booleans(), st.integers(-2**70, 2**70),
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True), st.text(max_size=8),
+    st.lists(st.one_of(st.text(max_size=8), st.integers(), st.none()), max_size=20),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.sampled_from([np.float32(0.5), np.int64(3), np.bool_(True), "\ud800", ["\udcff"], [""]]))
+SAMPLING = [f for f in SamplingParams.__dataclass_fields__]
+
+
+@fuzz
+@given(st.fixed_dictionaries({}, optional={k: ANY for k in (*OPTIONS, "repeat_last_n", "top-k")}),
+       st.integers(0, 2**32 - 1))
+def test_every_setting_is_usable_or_refused_in_one_line(options, seed):
+    """Whatever the values, check_settings either refuses one with a one-line SettingError
+    naming it, or returns settings the sampler uses together (a token drawn from random logits,
+    with a history for the penalties, greedily and at a temperature)."""
+    usable = {}
+    for key, value in options.items():
+        try:
+            check_settings({key: value})
+            usable[key] = value
+        except SettingError as e:
+            assert e.name == key and key in str(e) and "\n" not in str(e), (key, value, str(e))
+    if usable != options:                       # the whole refused as its parts were
+        with pytest.raises(SettingError) as e:
+            check_settings(options)
+        assert e.value.name in set(options) - set(usable)
+    options = usable
+    got = check_settings(options)
+    assert set(got) == set(options) <= set(OPTIONS)
+    for key, value in got.items():
+        if value is None:
+            continue
+        if key == "stop":
+            assert isinstance(value, list) and all(isinstance(s, str) and s for s in value)
+        elif key == "ignore_eos":
+            assert type(value) is bool
+        else:
+            integer = RULES[key][0]
+            assert type(value) is (int if integer else float) and math.isfinite(value)
+    params = SamplingParams(**{k: v for k, v in got.items() if k in SAMPLING and v is not None})
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal(300) * rng.choice([0.01, 3, 30])).astype(np.float32)
+    history = list(rng.integers(0, 300, 100))
+    # greedy, and drawing too (at the temperature given, else 1): both paths read every value
+    drawing = params if params.temperature else dataclasses.replace(params, temperature=1.0)
+    for sampler in (Sampler(params), Sampler(drawing)):
+        for _ in range(3):
+            assert 0 <= sampler(logits, history) < 300
+        dist = sampler.distribution(logits, history)
+        assert np.isfinite(dist).all() and dist.sum() == pytest.approx(1)
+
+
+@fuzz
+@given(st.sampled_from(SAMPLING), ANY)
+def test_sampling_params_take_what_check_settings_takes(field, value):
+    """SamplingParams checks each field with the same rules: the same values pass, the same
+    fail (None is the default in check_settings; only the seed may be None in the params)."""
+    try:
+        want = check_value(field, value)
+    except SettingError:
+        with pytest.raises(SettingError):
+            SamplingParams(**{field: value})
+        return
+    if want is None and field != "seed":
+        with pytest.raises(SettingError):
+            SamplingParams(**{field: value})
+        return
+    assert getattr(SamplingParams(**{field: value}), field) == want
+
+
+def test_settings_as_they_come_from_every_front_end():
+    """A tiny positive temperature is greedy (no division by it anywhere, the GPU's float32
+    sampler included); seed -1 is a random seed (as llama.cpp); a stop string is a list of one;
+    each refusal names the setting, as a flag when asked."""
+    assert check_settings({"temperature": 1e-320})["temperature"] == 0.0
+    assert check_settings({"temperature": MIN_TEMPERATURE})["temperature"] == MIN_TEMPERATURE
+    assert SamplingParams(temperature=5e-324).temperature == 0.0
+    assert check_settings({"seed": -1, "stop": "END", "top_k": np.int64(5)}) == \
+        {"seed": None, "stop": ["END"], "top_k": 5}
+    assert type(check_settings({"top_k": np.int64(5)})["top_k"]) is int
+    for bad, words in [({"top_k": 2.5}, "--top-k"), ({"top_k": "40"}, "--top-k"),
+                       ({"top_k": -1}, "--top-k"), ({"seed": -2}, "--seed"),
+                       ({"seed": 2**64}, "--seed"), ({"temperature": float("inf")}, "--temperature"),
+                       ({"temperature": 10**400}, "--temperature"), ({"top_p": 0}, "--top-p"),
+                       ({"min_p": float("nan")}, "--min-p"), ({"repeat_penalty": 1e-300}, "--repeat-penalty"),
+                       ({"max_tokens": 0}, "--max-tokens"), ({"max_tokens": True}, "--max-tokens"),
+                       ({"stop": [1, 2]}, "--stop"), ({"stop": ["a\udcffb"]}, "--stop"),
+                       ({"stop": ["x"] * 17}, "--stop"), ({"ignore_eos": "yes"}, "--ignore-eos"),
+                       ({"bogus": 1}, "--bogus")]:
+        with pytest.raises(SettingError) as e:
+            check_settings(bad, flags=True)
+        assert e.value.name == words and words in str(e.value) and "\n" not in str(e.value)

@@ -190,7 +190,8 @@ def test_a_follow_up_turn_prefills_only_what_is_new(served):
 # -- what the client is refused --------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("temperature", 2.5), ("temperature", "hot"), ("top_p", 0), ("max_tokens", 0),
+    ("n", 2), ("temperature", -0.5), ("temperature", "hot"), ("top_k", 2.5), ("top_k", -1),
+    ("min_p", 1.5), ("repeat_penalty", 0), ("seed", 2**64), ("seed", 1.5), ("stop", [""]), ("top_p", 0), ("max_tokens", 0),
     ("max_completion_tokens", -3), ("seed", -2), ("stop", [1]), ("stop", ["a"] * 17),
     ("logprobs", True), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("response_format", {"type": "json_object"}), ("presence_penalty", 3), ("stream", "yes"),
@@ -205,6 +206,33 @@ def test_bad_fields_get_400_naming_the_field(served, field, value):
     assert status == 400, err
     assert set(err["error"]) == {"message", "type", "param", "code"}
     assert err["error"]["type"] == "invalid_request_error" and field in err["error"]["param"]
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 2.5), ("seed", -2), ("temperature", -1),
+                                         ("stop", [1, 2]), ("max_completion_tokens", 0)])
+def test_sampling_fields_are_checked_as_every_front_end_s(served, field, value):
+    """The server's refusal is sampling.check_settings's own (one check for the CLI, the API,
+    a saved chat and the server), the field named as the client sent it."""
+    from tinyrt.sampling import SettingError, check_settings
+
+    with pytest.raises(SettingError) as want:
+        check_settings({"max_tokens" if field == "max_completion_tokens" else field: value})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, err = post(served.url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and err["error"]["param"] == field
+    assert err["error"]["message"] == str(want.value).replace(want.value.name, field, 1)
+
+
+def test_edge_values_that_mean_something_are_taken(served):
+    """seed -1 is a random seed (llama.cpp's meaning); a temperature below 1e-5 is greedy; a
+    prompt far longer than the cache could hold is refused before it is tokenized."""
+    kw = dict(model="tiny", prompt="The", max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = served.client.completions.create(**kw, temperature=0).choices[0].text
+    tiny = served.client.completions.create(**kw, temperature=1e-300, seed=-1).choices[0].text
+    assert tiny == greedy
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.completions.create(model="tiny", prompt="x" * 100_000, max_tokens=4)
+    assert "KV cache of 256 tokens" in e.value.body["message"] and e.value.body["param"] == "prompt"
 
 
 def test_errors_have_openai_s_shape_and_status(served):

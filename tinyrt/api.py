@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import os
 import sys
 import time
@@ -21,22 +21,65 @@ from .kernels import get_backend
 from .kv_cache import CacheOptions, make_cache
 from .models import load_model, trim_heap
 from .models.weights import FLOAT_TYPES
-from .sampling import Sampler, SamplingParams
+from .paths import read_json
+from .sampling import (DEFAULT_MAX_TOKENS, Sampler, SamplingParams, SettingError, check_settings,
+                       check_value)
 from .speculative import MAX_GAMMA, SpeculativeGeneration, make_drafter
 from .tokenizer import load_tokenizer
 
 Prompt = str | Sequence[dict]
 
+# The most text `LLM.encode` tokenizes, in bytes of UTF-8. Tokenizing takes some 300 bytes of
+# memory a token, and a token is at least one byte (byte-level BPE, SentencePiece's byte
+# fallback): a bound in bytes bounds that memory. For a dense cache, BYTES_PER_TOKEN a token of
+# its size (far more than any tokenizer's tokens average, so that no text that could fit is
+# refused), and MAX_TEXT_BYTES (some 300 MB to tokenize) for any cache.
+BYTES_PER_TOKEN = 64
+MAX_TEXT_BYTES = 1 << 20
+
 
 def _generation_config(directory: Path) -> dict:
-    path = directory / "generation_config.json"
-    if not directory.is_dir() or not path.exists():
+    if not directory.is_dir():              # a GGUF file, whose settings are in its metadata
         return {}
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ModelFormatError(f"{path} is not valid JSON") from None
-    return d if isinstance(d, dict) else {}
+    return read_json(directory / "generation_config.json", missing_ok=True) or {}
+
+
+def _largest_token_id(tokenizer) -> int:
+    """The largest id the tokenizer can produce. A tokenizer.json's ids need not be contiguous
+    (its count can be below its largest id), so an HF tokenizer's vocabulary is scanned (~0.1 s
+    for 150k tokens); a sentencepiece model's ids are 0 .. size-1."""
+    hf = getattr(tokenizer, "tok", None)
+    if hf is not None:
+        return max(hf.get_vocab(with_added_tokens=True).values(), default=-1)
+    return tokenizer.vocab_size - 1
+
+
+def _check_token_ids(where: Path, largest: int, tokenizer, cfg, generation_config: dict) -> None:
+    """Refuse, at load, a tokenizer or a special token id beyond the embedding's rows (the
+    weights were checked to have config.json's vocab_size): the first such token would otherwise
+    fail in the embedding lookup. Negative ids stand for "none" in some configs."""
+    rows = cfg.vocab_size
+    if largest >= rows:
+        raise ModelFormatError(f"{where}: the tokenizer has token ids up to {largest}, but the "
+                               f"embedding has {rows} rows (vocab_size)")
+
+    def ints(v):
+        return [i for i in (v if isinstance(v, list) else [v])
+                if isinstance(i, int) and not isinstance(i, bool)]
+
+    config = "config.json" if where.is_dir() else "the GGUF metadata's"
+    named = [("the tokenizer's BOS token", [tokenizer.bos_id]),
+             ("the tokenizer's EOS token", [tokenizer.eos_id]),
+             (f"{config} bos_token_id", [cfg.bos_token_id]),
+             (f"{config} eos_token_id", list(cfg.eos_token_ids)),
+             (f"{config} pad_token_id", [cfg.pad_token_id])]
+    named += [(f"generation_config.json {k}", generation_config.get(k))
+              for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
+    for name, ids in named:
+        for i in ints(ids):
+            if i >= rows:
+                raise ModelFormatError(f"{where}: {name} {i} is beyond the embedding's {rows} "
+                                       "rows (vocab_size)")
 
 
 def chat_messages(prompt: Prompt, system: str | None = None) -> list[dict]:
@@ -82,11 +125,13 @@ class LLM:
         # the tokenizer first: its JSON parse peaks ~30 MB above what it keeps (freed, then
         # trimmed), a peak that would otherwise come on top of the loaded model's memory
         self.tokenizer = load_tokenizer(self.directory)
+        largest = _largest_token_id(self.tokenizer)      # (its scan's memory is trimmed next)
         self.template = template_from_config(self.tokenizer.config)
         trim_heap()
         self.model = load_model(self.directory, self.backend, dtype)
         self.config = cfg = self.model.config
         self.generation_config = _generation_config(self.directory)
+        _check_token_ids(self.directory, largest, self.tokenizer, cfg, self.generation_config)
         if draft is not None:
             if not 1 <= draft_tokens <= 32:
                 raise TinyrtError(f"--draft-tokens must be between 1 and 32, got {draft_tokens}")
@@ -111,21 +156,86 @@ class LLM:
 
     def prompt_ids(self, prompt: Prompt, *, system: str | None = None, raw: bool = False) -> list[int]:
         """Token ids for a prompt: the chat template applied (when the model has one) unless raw."""
+        if not prompt:
+            raise TinyrtError("the prompt is empty")
+        if system is not None and not isinstance(system, str):
+            raise TinyrtError("the system message must be a string")
         if raw or self.template is None:
             if not isinstance(prompt, str):
                 raise TinyrtError("a raw prompt must be a string")
             text = prompt if system is None else f"{system}\n\n{prompt}"
-            return self.tokenizer.encode(text, add_special=True)
+            return self.encode(text, add_special=True)
         text = self.template.render(chat_messages(prompt, system), add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special=False)
+        return self.encode(text)
+
+    def text_budget(self) -> int:
+        """The most bytes of text (UTF-8) `encode` tokenizes: far more than the KV cache could
+        hold (a streaming cache takes any prompt: MAX_TEXT_BYTES)."""
+        if self.cache.streams:
+            return MAX_TEXT_BYTES
+        return min(MAX_TEXT_BYTES, self.cache.capacity * BYTES_PER_TOKEN)
+
+    def check_text(self, text: str, what: str = "the prompt") -> None:
+        """A TinyrtError naming `what` for text the tokenizer cannot take (lone surrogates: a
+        JSON \\ud800 escape, invalid UTF-8 bytes passed through) or longer than `text_budget`,
+        found before tokenizing it."""
+        if not isinstance(text, str):
+            raise TinyrtError(f"{what} must be a string")
+        budget = self.text_budget()
+        size = len(text)                      # (characters, no more than its bytes: no copy yet)
+        if size <= budget:
+            try:
+                size = len(text.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise TinyrtError(f"{what} is not valid Unicode text (a lone surrogate, or an "
+                                  "invalid byte passed through)") from None
+        if size > budget:
+            raise TinyrtError(f"{what} is {size:,} bytes of text or more, more than a KV cache of "
+                              f"{self.cache.capacity:,} tokens could hold (tinyrt tokenizes at "
+                              f"most {budget:,} bytes for it); shorten it")
+
+    def encode(self, text: str, *, add_special: bool = False, what: str = "the prompt") -> list[int]:
+        """Token ids of `text` (`check_text` first: bounded work and memory)."""
+        self.check_text(text, what)
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def token_ids(self, ids: Sequence[int]) -> list[int]:
+        """Prompt token ids as a list of ints, each a token of the model; a TinyrtError for an
+        empty list or anything else."""
+        try:
+            a = np.asarray(ids)
+        except (TypeError, ValueError):
+            a = None
+        if a is None or a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise TinyrtError("the prompt's token ids must be a list of integers")
+        if not a.size:
+            raise TinyrtError("the prompt is empty (no token ids)")
+        vocab = self.config.vocab_size
+        if a.min() < 0 or a.max() >= vocab:
+            raise TinyrtError(f"the prompt's token ids must be in [0, {vocab})")
+        return a.tolist()
 
     def sampling_defaults(self) -> dict:
         """Sampling settings the model's generation_config.json asks for."""
+        return dict(self._sampling_defaults)
+
+    @functools.cached_property
+    def _sampling_defaults(self) -> dict:
+        # a value the sampler cannot use (top_k 2.5, a string) is left out, with one line: the
+        # model still runs, on the default, as it would without the file
         g = self.generation_config
         names = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
                  ("min_p", "min_p"), ("repeat_penalty", "repetition_penalty"))
-        d = {ours: g[theirs] for ours, theirs in names
-             if isinstance(g.get(theirs), (int, float)) and not isinstance(g.get(theirs), bool)}
+        d = {}
+        for ours, theirs in names:
+            try:
+                value = check_value(ours, g.get(theirs), theirs)
+            except SettingError as e:
+                print(f"warning: {self.directory / 'generation_config.json'}: {e}; using the "
+                      "default", file=sys.stderr)
+                continue
+            if value is not None:
+                d[ours] = value
         if g.get("do_sample") is False:
             d["temperature"] = 0.0
         return d
@@ -137,11 +247,12 @@ class LLM:
         """Stream the reply to `prompt`, one `Response` per token; the last has `finish_reason`.
         Options as for `generation`. The cache starts empty: each call is a new conversation
         (`ChatSession` keeps one going)."""
+        check_settings(options)                  # (before tokenizing; `generation` again)
         ids = self.prompt_ids(prompt, system=system, raw=raw)
         self.reset()
         yield from self.generation(ids, **options)
 
-    def generation(self, ids: Sequence[int], *, max_tokens: int = 512,
+    def generation(self, ids: Sequence[int], *, max_tokens: int = DEFAULT_MAX_TOKENS,
                    temperature: float | None = None, top_k: int | None = None,
                    top_p: float | None = None, min_p: float | None = None,
                    repeat_penalty: float | None = None, presence_penalty: float | None = None,
@@ -150,18 +261,21 @@ class LLM:
         """A reply to prompt token `ids` appended to what the cache holds. Sampling options left
         None take the model's generation_config.json or the sampler's defaults
         (sampling.SamplingParams); `ignore_eos` goes on past end-of-sequence tokens (to
-        max_tokens, or a full dense cache)."""
+        max_tokens, or a full dense cache). Every option is checked (sampling.check_settings)
+        before any work."""
+        opts = check_settings(dict(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos))
+        ids = self.token_ids(ids)
         self._held = None                        # (`complete` knows what the cache holds)
-        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                     repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                     frequency_penalty=frequency_penalty)
-        params = {**self.sampling_defaults(), **{k: v for k, v in given.items() if v is not None}}
-        sampler = Sampler(SamplingParams(seed=seed, **params))
-        if max_tokens <= 0:
-            raise TinyrtError("max tokens must be positive")
+        given = {k: v for k, v in opts.items()
+                 if k in SamplingParams.__dataclass_fields__ and v is not None}
+        sampler = Sampler(SamplingParams(**{**self.sampling_defaults(), **given}))
         args = (self.model, self.cache, self.tokenizer, ids, sampler)
-        kwargs = dict(max_tokens=max_tokens, eos_ids=() if ignore_eos else self.eos_ids,
-                      stop=stop, load_s=self.load_s)
+        kwargs = dict(max_tokens=opts["max_tokens"] or DEFAULT_MAX_TOKENS,
+                      eos_ids=() if opts["ignore_eos"] else self.eos_ids,
+                      stop=opts["stop"] or (), load_s=self.load_s)
         if self.drafter is None:
             return Generation(*args, **kwargs)
         return SpeculativeGeneration(*args, drafter=self.drafter, max_gamma=self.draft_tokens,
@@ -175,9 +289,7 @@ class LLM:
         that shares a system message, starts at its first new token. Where the cache cannot take
         back what follows the common prefix (a streaming policy that evicted), it starts empty.
         Refuses, before any work, what cannot fit."""
-        ids = list(ids)
-        if not ids:
-            raise TinyrtError("the prompt is empty")
+        ids = self.token_ids(ids)
         # `_held` is None (unknown) until the end, where Ctrl-C at any point leaves it
         held, self._held = self._held, None
         keep = self._keep_prefix(ids, held)

@@ -6,11 +6,28 @@ at its mean length over the decoded tokens) and the GB/s that makes."""
 
 from __future__ import annotations
 
+import numbers
 import resource
 import statistics
-import time
 
 import numpy as np
+
+from tinyrt.errors import TinyrtError
+from tinyrt.sampling import option_name
+
+MAX_TOKENS = 1 << 17     # prompt or decoded tokens: a cache of their sum is allocated
+MAX_RUNS = 1000
+
+
+def check_args(prompt_tokens, decode_tokens, runs, *, flags: bool = False) -> None:
+    """A TinyrtError naming the first of the benchmark's sizes that is not a whole number in its
+    range (as the flag, with `flags`); before any work, since the cache is sized by them."""
+    for key, value, high in (("prompt_tokens", prompt_tokens, MAX_TOKENS),
+                             ("decode_tokens", decode_tokens, MAX_TOKENS), ("runs", runs, MAX_RUNS)):
+        name = option_name(key, flags)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                or not 1 <= value <= high:
+            raise TinyrtError(f"{name} must be an integer in [1, {high}], got {value!r:.40}")
 
 
 def weight_bytes(model) -> int:
@@ -59,13 +76,14 @@ def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int):
 def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) -> dict:
     """Measure `llm` (a tinyrt.LLM); returns a dict of figures (medians over `runs`). With a
     draft, decode is greedy speculative decoding and "speculative" holds the drafts' figures."""
+    check_args(prompt_tokens, decode_tokens, runs)
     model, cache = llm.model, llm.cache
     ids = prompt_ids(llm, prompt_tokens)
     if prompt_tokens + decode_tokens > cache.capacity:
         raise ValueError(f"prompt + decode = {prompt_tokens + decode_tokens} tokens exceed the "
                          f"KV cache of {cache.capacity}")
     ttft, decode, spec = timed_runs(llm, ids, decode_tokens, runs)
-    step = statistics.median(decode)
+    step = max(statistics.median(decode), 1e-9)     # (a clock too coarse to see a step)
     per_token = weight_bytes(model)
     kv_per_token = cache.bytes_per_token * (prompt_tokens + decode_tokens / 2)
     return {
@@ -73,7 +91,7 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
         "threads": getattr(model.backend, "threads", None),
         "load_s": llm.load_s,
         "prompt_tokens": prompt_tokens, "ttft_s": statistics.median(ttft),
-        "prefill_tok_s": prompt_tokens / statistics.median(ttft),
+        "prefill_tok_s": prompt_tokens / max(statistics.median(ttft), 1e-9),
         "decode_tokens": decode_tokens, "decode_tok_s": 1 / step,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "weight_mb_per_token": per_token / 1e6, "kv_mb_per_token": kv_per_token / 1e6,

@@ -15,7 +15,6 @@ import contextlib
 import errno
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -23,6 +22,8 @@ from tinyrt.errors import TinyrtError
 
 from .chat_template import ChatTemplate
 from .generate import Response, Timings
+from .paths import read_text, shown, user_path
+from .sampling import MAX_STOPS, SettingError, check_settings
 
 # for a model without a chat template; a reply follows "Assistant:" as generated (its own
 # leading space), so that the next turn's text extends the text the cache holds
@@ -32,10 +33,6 @@ PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assist
 PLAIN_STOP = "\nUser:"
 FORMAT = "tinyrt-chat"
 MAX_SAVED_BYTES = 64 << 20      # a saved conversation larger than this is not one of ours
-# the settings a saved conversation may carry (LLM.generation's options) and their types
-SETTINGS = {"max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
-            "min_p": (int, float), "repeat_penalty": (int, float), "seed": int, "stop": list,
-            "ignore_eos": bool}
 
 
 def conversation_template(llm) -> tuple[ChatTemplate, list[str]]:
@@ -46,6 +43,17 @@ def conversation_template(llm) -> tuple[ChatTemplate, list[str]]:
     return ChatTemplate(PLAIN_TEMPLATE, bos_token=llm.tokenizer.bos_token), [PLAIN_STOP]
 
 
+def with_template_stops(stop, extra: list[str]) -> list[str]:
+    """A reply's stop strings: the caller's (checked: sampling.check_settings) and `extra`, those
+    its conversation template needs, within MAX_STOPS in all."""
+    stops = list(stop or ())
+    stops += [s for s in extra if s not in stops]
+    if len(stops) > MAX_STOPS:
+        raise SettingError("stop", f"stop takes at most {MAX_STOPS - len(extra)} strings with "
+                                   f"this model (its conversation template needs {len(extra)})")
+    return stops
+
+
 class ChatSession:
     """A multi-turn chat with `llm` (a `tinyrt.LLM`, whose KV cache it uses).
 
@@ -54,14 +62,15 @@ class ChatSession:
             print(r.text, end="")
 
     `options` are defaults for every turn's `send` (max_tokens, temperature, top_p, ...; see
-    `LLM.generation`); `settings` holds them and may be changed between turns. A reply stopped
-    early (the caller leaves the loop, or Ctrl-C) stays in the history as far as it went.
+    `LLM.generation`); `settings` holds them and may be changed between turns (`configure`
+    checks them as it does). A reply stopped early (the caller leaves the loop, or Ctrl-C) stays
+    in the history as far as it went.
     """
 
     def __init__(self, llm, *, system: str | None = None, **options):
         self.llm = llm
         self.system = system
-        self.settings = dict(options)
+        self.settings = check_settings(options)
         self.messages: list[dict] = []           # user and assistant turns, without the system
         self.last: Timings | None = None         # the last reply's timings
         self.last_finish: str | None = None
@@ -87,6 +96,10 @@ class ChatSession:
         self.system = text
         self._invalidate()
 
+    def configure(self, **settings) -> None:
+        """Change settings for the next turns (a SettingError, and no change, for a bad one)."""
+        self.settings.update(check_settings(settings))
+
     def _invalidate(self) -> None:
         self._held, self._ids = None, []
 
@@ -97,15 +110,15 @@ class ChatSession:
         `finish_reason`); `options` override `settings` for this turn."""
         if not isinstance(text, str) or not text.strip():
             raise TinyrtError("a chat message needs some text")
-        opts = {**self.settings, **options}
-        opts["stop"] = [*(opts.get("stop") or ()), *self._stops]
+        opts = check_settings({**self.settings, **options})
+        opts["stop"] = with_template_stops(opts.get("stop"), self._stops)
         messages = self.history + [{"role": "user", "content": text}]
         full = self.template.render(messages, add_generation_prompt=True)
         tok = self.llm.tokenizer
         if self._held is not None and full.startswith(self._held):
-            ids = self._ids + tok.encode(full[len(self._held):], add_special=False)
+            ids = self._ids + self.llm.encode(full[len(self._held):], what="the message")
         else:
-            ids = tok.encode(full, add_special=False)
+            ids = self.llm.encode(full, what="the conversation")
         self._invalidate()
         gen = self.llm.complete(ids, **opts)     # refuses, before any work, what cannot fit
         self.messages.append({"role": "user", "content": text})
@@ -153,16 +166,10 @@ class ChatSession:
     def load(self, path: str | os.PathLike) -> None:
         """Replace the conversation with one written by `save`; it is prefilled at the next turn."""
         path = _path(path)
+        text = read_text(path, "saved conversation", MAX_SAVED_BYTES)
         try:
-            info = path.stat()
-            if not stat.S_ISREG(info.st_mode):       # a directory, a FIFO, /dev/zero: never read
-                raise TinyrtError(f"cannot read {path}: not a regular file")
-            if info.st_size > MAX_SAVED_BYTES:
-                raise TinyrtError(f"{path} is not a saved conversation ({info.st_size:,} bytes)")
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise TinyrtError(f"cannot read {path}: {e.strerror or e}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            data = json.loads(text)
+        except (ValueError, RecursionError):   # RecursionError: nested too deep
             raise TinyrtError(f"{path} is not a saved conversation (not JSON)") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise TinyrtError(f"{path} is not a saved conversation")
@@ -174,11 +181,14 @@ class ChatSession:
                               "messages with string content")
         if system is not None and not isinstance(system, str) or not isinstance(settings, dict):
             raise TinyrtError(f"{path}: 'system' must be a string and 'settings' an object")
-        for key, value in settings.items():
-            kind = SETTINGS.get(key)
-            if kind is None or value is not None and not (
-                    isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))):
-                raise TinyrtError(f"{path}: setting {key!r} is unknown or of the wrong type")
+        # settings the next turn can use (the one check every front end's options have), and
+        # no more text than the cache could hold: it is tokenized whole at the next turn
+        try:
+            settings = check_settings(settings)
+        except SettingError as e:
+            raise TinyrtError(f"{path}: {e}") from None
+        self.llm.check_text("".join([system or "", *(m["content"] for m in messages)]),
+                            what=f"{path}: the conversation")
         self.messages = [dict(m) for m in messages]
         self.system = system
         self.settings.update(settings)
@@ -186,14 +196,11 @@ class ChatSession:
 
 
 def _path(path: str | os.PathLike) -> Path:
-    """A file name from the user as a Path, ~ expanded; TinyrtError for one no file can have."""
-    text = os.fsdecode(path)
-    if not text.strip() or "\0" in text:
-        raise TinyrtError(f"not a file name: {text!r}")
-    try:
-        path = Path(text).expanduser()
-    except RuntimeError as e:                  # ~user of no such user
-        raise TinyrtError(f"not a file name: {text!r} ({e})") from None
+    """A file name from the user (paths.user_path) that names a file: not blank (a slip of the
+    keyboard, in /save), nor a directory's end."""
+    if not os.fsdecode(path).strip():
+        raise TinyrtError(f"not a file name: {os.fsdecode(path)!r}")
+    path = user_path(path, "the conversation file")
     if not path.name:
-        raise TinyrtError(f"not a file name: {text!r}")
+        raise TinyrtError(f"not a file name: {shown(path)}")
     return path

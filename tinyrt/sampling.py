@@ -7,21 +7,143 @@ top-p, min-p, and a draw from what is left.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from tinyrt.errors import TinyrtError
 
+# Below this a temperature is taken as 0 (greedy): its distribution is the argmax's to within
+# float32 logits' precision, and dividing by it overflows (a float32 device sampler even rounds
+# 1e-320 to 0 and divides by zero).
+MIN_TEMPERATURE = 1e-5
+DEFAULT_MAX_TOKENS = 512
+MAX_TOKENS = 2**31 - 1
+MAX_STOPS = 16
+MAX_STOP_CHARS = 500         # a stop string's tail is matched against every token's text
+MAX_REPEAT_LAST_N = 1 << 16  # ids a penalty looks back over (a buffer of them on a GPU)
+
+# Every generation setting (LLM.generation's options, a saved chat's settings, the server's and
+# the command line's fields) and what it must be: (integer?, test, rule in words). The one place
+# they are checked: `check_settings` for a caller's options, `SamplingParams` for the sampler.
+RULES = {
+    "temperature": (False, lambda v: v >= 0, "a number >= 0 (0: greedy)"),
+    "top_k": (True, lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "top_p": (False, lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)"),
+    "min_p": (False, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)"),
+    # (outside it the penalized logits overflow float32)
+    "repeat_penalty": (False, lambda v: 0.01 <= v <= 100, "a number in [0.01, 100] (1: off)"),
+    "presence_penalty": (False, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
+    "frequency_penalty": (False, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
+    "repeat_last_n": (True, lambda v: 0 <= v <= MAX_REPEAT_LAST_N,
+                      f"an integer in [0, {MAX_REPEAT_LAST_N}]"),
+    "seed": (True, lambda v: -1 <= v < 2**64, "an integer in [0, 2**64) (-1: random)"),
+    "max_tokens": (True, lambda v: 1 <= v <= MAX_TOKENS, f"an integer in [1, {MAX_TOKENS}]"),
+}
+# LLM.generation's options
+OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+           "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos")
+
+
+class SettingError(TinyrtError):
+    """A generation setting the runtime cannot use; `name` is the setting as the caller named it
+    (a field, a flag), for a server's `param`."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+def option_name(key: str, flags: bool = False) -> str:
+    """A setting as the caller knows it: "top_k", or the flag "--top-k"."""
+    return "--" + key.replace("_", "-") if flags else key
+
+
+def _show(value: Any) -> str:
+    """A value for a one-line message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_value(key: str, value: Any, name: str | None = None) -> Any:
+    """`value` of setting `key` (RULES, or stop or ignore_eos) as the runtime uses it: an int or
+    a float (a tiny temperature 0, seed -1 None), stop a list of strings; None (the default)
+    stays None. A SettingError naming `name` (default `key`) for anything else."""
+    name = name or key
+    if value is None:
+        return None
+    if key == "stop":
+        return _check_stop(value, name)
+    if key == "ignore_eos":
+        if not isinstance(value, (bool, np.bool_)):
+            raise SettingError(name, f"{name} must be true or false, got {_show(value)}")
+        return bool(value)
+    integer, ok, rule = RULES[key]
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kind):
+        raise SettingError(name, f"{name} must be {rule}, got {_show(value)}")
+    try:
+        v = int(value) if integer else float(value)
+    except OverflowError:                    # an int past float's range
+        v = math.inf
+    if not math.isfinite(v) or not ok(v):
+        raise SettingError(name, f"{name} must be {rule}, got {_show(value)}")
+    if key == "temperature" and v < MIN_TEMPERATURE:
+        return 0.0
+    if key == "seed" and v == -1:            # (as llama.cpp: a random seed)
+        return None
+    return v
+
+
+def _check_stop(value: Any, name: str) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    rule = (f"{name} must be a string or a list of at most {MAX_STOPS} non-empty strings of at "
+            f"most {MAX_STOP_CHARS} characters")
+    if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise SettingError(name, f"{rule}, got {_show(value)}")
+    for s in stops:
+        if not is_text(s):
+            raise SettingError(name, f"{name} is not valid Unicode text (an invalid byte or a "
+                                     f"lone surrogate in {_show(s)})")
+    return list(stops)
+
+
+def is_text(s: str) -> bool:
+    """Whether `s` is text a tokenizer takes: no lone surrogates (which a JSON \\ud800 escape or
+    an argument of invalid UTF-8 bytes, surrogate-escaped, puts in a str)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_settings(options: Mapping[str, Any], *, flags: bool = False) -> dict:
+    """Generation options (OPTIONS: LLM.generation's keywords) checked and made what the runtime
+    uses (`check_value`); None stays None (the default). A SettingError naming the first bad
+    one (as a flag with `flags`), or one the runtime does not know."""
+    out = {}
+    for key, value in options.items():
+        name = option_name(key, flags)
+        if key not in OPTIONS:
+            raise SettingError(name, f"unknown setting {name!r} (the settings: "
+                                     f"{', '.join(option_name(k, flags) for k in OPTIONS)})")
+        out[key] = check_value(key, value, name)
+    return out
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy (the default, as in HF transformers and mlx-lm; the model's
-    generation_config.json or the caller may ask for sampling). 0 disables top_k; 1.0 disables top_p
-    and repeat_penalty; 0 disables min_p, presence_penalty and frequency_penalty (OpenAI's additive
-    penalties: a token seen in the last `repeat_last_n` ids loses presence_penalty once and
-    frequency_penalty per time seen, as llama.cpp applies them)."""
+    generation_config.json or the caller may ask for sampling; below MIN_TEMPERATURE is 0).
+    0 disables top_k; 1.0 disables top_p and repeat_penalty; 0 disables min_p, presence_penalty
+    and frequency_penalty (OpenAI's additive penalties: a token seen in the last
+    `repeat_last_n` ids loses presence_penalty once and frequency_penalty per time seen, as
+    llama.cpp applies them). seed None or -1: a random one. Each value is checked (RULES)."""
 
     temperature: float = 0.0
     top_k: int = 40
@@ -34,19 +156,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top-k must be >= 0"),
-            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
-            (self.repeat_penalty > 0, "repeat-penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence-penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency-penalty must be in [-2, 2]"),
-            (self.repeat_last_n >= 0, "repeat-last-n must be >= 0"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise TinyrtError(msg)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name != "seed":
+                raise SettingError(f.name, f"{f.name} must be {RULES[f.name][2]}, got None")
+            object.__setattr__(self, f.name, check_value(f.name, value))
 
 
 def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: float,

@@ -36,9 +36,9 @@ from starlette.routing import Route
 
 from tinyrt.errors import TinyrtError
 
-from .chat import conversation_template
+from .chat import conversation_template, with_template_stops
+from .sampling import SettingError, check_settings
 
-MAX_STOPS = 16
 DRAIN = 64 << 20
 MAX_BACKLOG = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -70,20 +70,6 @@ def _invalid(param: str, message: str) -> APIError:
     return APIError(400, f"'{param}' {message}", param=param, code="invalid_value")
 
 
-def _number(body: dict, name: str, low: float, high: float, *, integer: bool = False,
-            open_low: bool = False):
-    """A number field in [low, high] ((low, high] with open_low), or None when absent."""
-    v = body.get(name)
-    if v is None:
-        return None
-    kinds = int if integer else (int, float)
-    if isinstance(v, bool) or not isinstance(v, kinds):
-        raise _invalid(name, f"must be {'an integer' if integer else 'a number'}")
-    if not (low < v if open_low else low <= v) or not v <= high:
-        raise _invalid(name, f"must be in {'(' if open_low else '['}{low}, {high}], got {v}")
-    return v
-
-
 def _refuse(body: dict, name: str, ok, what: str) -> None:
     """A 400 for an OpenAI field this server does not do, unless it has a value that asks for
     nothing (`ok(value)`)."""
@@ -93,8 +79,9 @@ def _refuse(body: dict, name: str, ok, what: str) -> None:
 
 def sampling_options(body: dict, max_tokens: int) -> dict:
     """`LLM.complete` options from OpenAI's fields (and llama.cpp's extras: top_k, min_p,
-    repeat_penalty, ignore_eos). Absent fields take the model's generation_config.json or the
-    sampler's defaults; max_tokens defaults to the cache size."""
+    repeat_penalty, ignore_eos), checked as every front end's (sampling.check_settings; seed -1
+    is a random seed, as llama.cpp has it). Absent fields take the model's
+    generation_config.json or the sampler's defaults; max_tokens defaults to the cache size."""
     _refuse(body, "n", lambda v: v == 1, "one choice per request")
     _refuse(body, "best_of", lambda v: v == 1, "one choice per request")
     _refuse(body, "logprobs", lambda v: v is False, "no log probabilities")
@@ -106,22 +93,19 @@ def sampling_options(body: dict, max_tokens: int) -> dict:
     _refuse(body, "functions", lambda v: v == [], "no function calls")
     _refuse(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
             "text replies only")
-    limit = _number(body, "max_completion_tokens", 1, 2**31 - 1, integer=True)
-    if limit is None:
-        limit = _number(body, "max_tokens", 1, 2**31 - 1, integer=True)
-    seed = _number(body, "seed", -1, 2**64 - 1, integer=True)
-    opts = dict(
-        max_tokens=limit or max_tokens,
-        temperature=_number(body, "temperature", 0, 2),
-        top_p=_number(body, "top_p", 0, 1, open_low=True),
-        top_k=_number(body, "top_k", 0, 2**31 - 1, integer=True),
-        min_p=_number(body, "min_p", 0, 1),
-        repeat_penalty=_number(body, "repeat_penalty", 0, 10, open_low=True),
-        presence_penalty=_number(body, "presence_penalty", -2, 2),
-        frequency_penalty=_number(body, "frequency_penalty", -2, 2),
-        seed=None if seed == -1 else seed,           # -1: a random seed, as llama.cpp has it
-        stop=_stops(body.get("stop")),
-        ignore_eos=_flag(body, "ignore_eos"))
+    # (max_completion_tokens is OpenAI's newer name for max_tokens)
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    fields = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "min_p",
+                                            "repeat_penalty", "presence_penalty",
+                                            "frequency_penalty", "seed", "stop", "ignore_eos")}
+    try:
+        opts = check_settings({**fields, "max_tokens": body.get(limit)})
+    except SettingError as e:
+        param = limit if e.name == "max_tokens" else e.name
+        raise APIError(400, str(e).replace(e.name, param, 1), param=param,
+                       code="invalid_value") from None
+    opts["max_tokens"] = opts["max_tokens"] or max_tokens
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -140,17 +124,6 @@ def _flag(body: dict, name: str) -> bool:
     if not isinstance(v, bool):
         raise _invalid(name, "must be true or false")
     return v
-
-
-def _stops(stop) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
-            or len(stops) > MAX_STOPS:
-        raise _invalid("stop", f"must be a string or a list of at most {MAX_STOPS} non-empty "
-                               "strings")
-    return [_text("stop", x) for x in stops]
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -422,7 +395,10 @@ class Server:
         options = sampling_options(body, self.llm.cache.capacity)
         if chat:
             messages = chat_messages(body)
-            options["stop"] = options.get("stop", []) + self.template_stops
+            try:
+                options["stop"] = with_template_stops(options.get("stop"), self.template_stops)
+            except SettingError as e:
+                raise APIError(400, str(e), param="stop", code="invalid_value") from None
             ids = await run_in_threadpool(self._chat_ids, messages)
         else:
             ids = await run_in_threadpool(self._prompt_ids, body.get("prompt"))
@@ -451,9 +427,9 @@ class Server:
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         try:
             text = self.template.render(messages, add_generation_prompt=True)
+            return self.llm.encode(text, what="the conversation")
         except TinyrtError as e:
             raise APIError(400, str(e), param="messages") from None
-        return self.llm.tokenizer.encode(text, add_special=False)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -467,7 +443,10 @@ class Server:
         if not isinstance(prompt, str) or not prompt:
             raise _invalid("prompt", "must be a non-empty string, a list of one string, or a "
                                      "list of token ids")
-        return self.llm.prompt_ids(_text("prompt", prompt), raw=True)
+        try:
+            return self.llm.prompt_ids(_text("prompt", prompt), raw=True)
+        except TinyrtError as e:
+            raise APIError(400, str(e), param="prompt") from None
 
 
 def _no_constant(name: str):

@@ -13,10 +13,19 @@ COMMANDS = {"pull": pull, "convert": convert, "generate": generate, "chat": chat
             "serve": serve}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors in one line, as every error of tinyrt (not the usage
+    first); the commands' parsers are of this class too (add_subparsers makes its own kind)."""
+
+    def error(self, message: str):
+        message = " ".join(message.split())
+        self.exit(2, f"tinyrt: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tinyrt import __version__
 
-    parser = argparse.ArgumentParser(prog="tinyrt", description="Edge / on-device LLM chat runtime.")
+    parser = Parser(prog="tinyrt", description="Edge / on-device LLM chat runtime.")
     parser.add_argument("--version", action="version", version=f"tinyrt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add_draft_options, add_runtime_options
+from .options import add_draft_options, add_runtime_options, number
 
 
 def add_parser(sub) -> None:
@@ -16,9 +16,10 @@ def add_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="model directory, GGUF file, HF directory or known name (default: the "
                         "default model)")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--decode-tokens", type=int, default=128)
-    p.add_argument("--runs", type=int, default=5)
+    # (read leniently, checked by bench.check_args before the model loads)
+    p.add_argument("--prompt-tokens", type=number, default=512)
+    p.add_argument("--decode-tokens", type=number, default=128)
+    p.add_argument("--runs", type=number, default=5)
     add_draft_options(p)
     add_runtime_options(p)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -29,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
     from tinyrt import bench
     from tinyrt.errors import TinyrtError
 
+    bench.check_args(args.prompt_tokens, args.decode_tokens, args.runs, flags=True)
     llm = tinyrt.load(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
                       cuda_graph=args.cuda_graph, draft=args.draft,
                       draft_tokens=args.draft_tokens,

@@ -10,9 +10,12 @@ import sys
 import threading
 
 from tinyrt.errors import CacheFullError, TinyrtError
+from tinyrt.sampling import is_text
 
-from .options import (add_generation_options, add_model_option, generation_kwargs, load_llm,
-                      speculative_line)
+from .options import (add_generation_options, add_model_option, decode_text, generation_kwargs,
+                      load_llm, number, speculative_line)
+
+MAX_LINE_BYTES = 1 << 20     # a piped input line (a turn, or a command); a longer one is skipped
 
 HELP = """\
 /help              this list
@@ -41,22 +44,43 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     import tinyrt
 
+    options = generation_kwargs(args)            # (checked before the model loads)
     llm = load_llm(args)
-    options = generation_kwargs(args)
     session = tinyrt.ChatSession(llm, system=options.pop("system"), **options)
+    if sys.stdin is None:                        # (stdin closed: nothing to read)
+        return 0
     if sys.stdin.isatty() and sys.stdout.isatty():
         return Terminal(session).run()
     return piped(session)
 
 
 def piped(session) -> int:
-    """One turn per input line (slash commands too), replies printed as they stream."""
+    """One turn per input line (slash commands too), replies printed as they stream. A line
+    that is not UTF-8, or over MAX_LINE_BYTES, is skipped with a note."""
     out = Printer(None)
-    for line in sys.stdin:
-        line = line.rstrip("\n")
+    for n, raw in enumerate(input_lines(sys.stdin.buffer), 1):
+        try:
+            if raw is None:
+                raise TinyrtError(f"input line {n} is over {MAX_LINE_BYTES:,} bytes")
+            line = decode_text(raw, f"input line {n}").rstrip("\n")
+        except TinyrtError as e:
+            out.note(f"error: {e}; skipped")
+            continue
         if line.strip() and not command(session, line, out):
             break
     return 0
+
+
+def input_lines(stream, limit: int = MAX_LINE_BYTES):
+    """The lines of a binary stream as bytes, each read no further than `limit` bytes: a longer
+    one is read through (and dropped) and given as None."""
+    while line := stream.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := stream.readline(limit)) and not rest.endswith(b"\n"):
+            pass
+        yield None
 
 
 class Printer:
@@ -81,6 +105,9 @@ class Printer:
 
 def command(session, line: str, out: Printer, stop: threading.Event | None = None) -> bool:
     """Run one input line: a slash command or a user turn. False: quit."""
+    if not is_text(line):            # (a terminal's invalid bytes, surrogate-escaped)
+        out.note("error: the input is not valid UTF-8 text")
+        return True
     if not line.startswith("/"):
         reply(session, line, out, stop)
         return True
@@ -98,12 +125,8 @@ def command(session, line: str, out: Printer, stop: threading.Event | None = Non
             session.set_system(arg or None)
             out.note("system message set" if arg else "system message removed")
         elif name in ("/temp", "/top-p", "/max-tokens"):
-            key, kind = {"/temp": ("temperature", float), "/top-p": ("top_p", float),
-                         "/max-tokens": ("max_tokens", int)}[name]
-            try:
-                session.settings[key] = kind(arg)
-            except ValueError:
-                raise TinyrtError(f"{name} needs a number") from None
+            key = {"/temp": "temperature", "/top-p": "top_p", "/max-tokens": "max_tokens"}[name]
+            session.configure(**{key: number(arg)})        # (checked as every front end's)
             out.note(f"{key} = {session.settings[key]}")
         elif name == "/stats":
             out.note(stats(session))

@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 
+from tinyrt.errors import TinyrtError
+
 from .options import (add_generation_options, add_model_option, generation_kwargs, load_llm,
-                      speculative_line)
+                      read_stdin, speculative_line, text_arg)
 
 
 def add_parser(sub) -> None:
@@ -22,10 +24,19 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from tinyrt.api import MAX_TEXT_BYTES
+
+    # every input checked before the model loads
+    options = generation_kwargs(args)
+    if args.prompt == "-":
+        prompt = read_stdin("PROMPT", MAX_TEXT_BYTES)
+    else:
+        prompt = text_arg(args.prompt, "PROMPT")
+    if not prompt:
+        raise TinyrtError("PROMPT is empty")
     llm = load_llm(args)
     text, tokens, last = [], 0, None
-    for r in llm.stream(prompt, raw=args.raw, **generation_kwargs(args)):
+    for r in llm.stream(prompt, raw=args.raw, **options):
         last = r
         tokens += r.token is not None
         if args.json:

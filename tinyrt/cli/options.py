@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from tinyrt.errors import TinyrtError
 from tinyrt.kernels import DEVICES
+from tinyrt.sampling import check_settings, is_text
 
 
 def add_model_option(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
@@ -22,17 +25,66 @@ def model_spec(args: argparse.Namespace):
     return args.model or getattr(args, "model_pos", None)
 
 
+def number(text: str):
+    """An option's value as an int, else a float, else the text as given: the option's own
+    check (sampling.check_settings, bench.check_args) says what is wrong with it, in the words
+    it uses for every front end."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def text_arg(value: str | None, name: str) -> str | None:
+    """An argument's text, or a TinyrtError naming it where it is not UTF-8 (Python hands such
+    bytes over surrogate-escaped, which no tokenizer takes)."""
+    if value is None or is_text(value):
+        return value
+    try:
+        raw = value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise TinyrtError(f"{name} is not valid Unicode text") from None
+    return decode_text(raw, name)
+
+
+def decode_text(raw: bytes, name: str) -> str:
+    """UTF-8 bytes as text, or a TinyrtError naming `name` and the first byte that is not."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TinyrtError(f"{name} is not valid UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                          f"{e.start})") from None
+
+
+def read_stdin(name: str, limit: int) -> str:
+    """All of stdin as text: at most `limit` bytes (more is refused, unread), UTF-8."""
+    if sys.stdin is None:
+        raise TinyrtError(f"{name} '-' reads stdin, which is closed")
+    raw = sys.stdin.buffer.read(limit + 1)
+    if len(raw) > limit:
+        raise TinyrtError(f"{name} on stdin is over {limit:,} bytes, more than tinyrt tokenizes")
+    return decode_text(raw, f"{name} on stdin")
+
+
 def add_generation_options(p: argparse.ArgumentParser) -> None:
+    # numbers are read leniently and checked, with the options of every front end, by
+    # sampling.check_settings (generation_kwargs), before the model loads
     g = p.add_argument_group("generation")
-    g.add_argument("-n", "--max-tokens", type=int, default=512, help="most tokens to generate")
+    g.add_argument("-n", "--max-tokens", type=number, default=512, help="most tokens to generate")
     g.add_argument("--ignore-eos", action="store_true",
                    help="go on past end-of-sequence tokens, to --max-tokens")
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default unless the model asks otherwise)")
-    g.add_argument("--top-k", type=int, default=None, help="when sampling; 0 = off (default 40)")
-    g.add_argument("--top-p", type=float, default=None, help="when sampling; 1 = off (default 0.95)")
-    g.add_argument("--min-p", type=float, default=None, help="when sampling; 0 = off (default 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=None, help="1 = off (default)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--temperature", type=number, default=None,
+                   help="0 = greedy (the default unless the model asks otherwise; below 1e-5 "
+                        "is 0)")
+    g.add_argument("--top-k", type=number, default=None, help="when sampling; 0 = off (default 40)")
+    g.add_argument("--top-p", type=number, default=None, help="when sampling; 1 = off (default 0.95)")
+    g.add_argument("--min-p", type=number, default=None, help="when sampling; 0 = off (default 0.05)")
+    g.add_argument("--repeat-penalty", type=number, default=None,
+                   help="0.01 to 100; 1 = off (default)")
+    g.add_argument("--seed", type=number, default=None,
+                   help="random seed for sampling, 0 to 2**64-1 (-1 = random, the default)")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text appears (repeatable)")
@@ -111,10 +163,14 @@ def cache_options(args: argparse.Namespace):
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
-    """Keyword arguments for `LLM.stream` from parsed options."""
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                seed=args.seed, stop=args.stop, system=args.system, ignore_eos=args.ignore_eos)
+    """Keyword arguments for `LLM.stream` from parsed options, checked (before the model loads:
+    a TinyrtError naming the flag)."""
+    stop = [text_arg(s, "--stop") for s in args.stop]
+    options = check_settings(dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed,
+        stop=stop, ignore_eos=args.ignore_eos), flags=True)
+    return dict(options, system=text_arg(args.system, "--system"))
 
 
 def load_llm(args: argparse.Namespace):
