@@ -40,9 +40,14 @@ def test_the_arrows_point_one_way():
         assert not {m for m in imports(path) if m.startswith("tinyrt")
                     and not m.startswith("tinyrt.kernels")}, path
     for path in files("models"):
+        # (errors, memory and paths: leaves that import nothing else of the package)
         bad = {m for m in imports(path) if m.startswith("tinyrt") and not m.startswith(
-            ("tinyrt.kernels", "tinyrt.models", "tinyrt.errors", "tinyrt.memory"))}
+            ("tinyrt.kernels", "tinyrt.models", "tinyrt.errors", "tinyrt.memory", "tinyrt.paths"))}
         assert not bad, (path, bad)
+    for leaf in ("errors", "memory", "paths"):
+        path = ROOT / "tinyrt" / f"{leaf}.py"
+        assert {m for m in imports(path) if m.startswith("tinyrt")} <= \
+            {"tinyrt.errors", "tinyrt.errors.TinyrtError", "tinyrt.errors.ModelFormatError"}, path
     for path in files("tinyrt"):
         if str(path.relative_to(ROOT)) not in FRONT_ENDS:
             bad = {m for m in imports(path) if m.startswith("tinyrt.converters")}
