@@ -45,5 +45,14 @@ def get_backend(device: str = "auto", threads: int | None = None, *, cuda_graph:
     return CpuBackend(threads)
 
 
-__all__ = ["DEVICES", "get_backend", "awq_layout", "quant", "reference", "ReferenceBackend",
-           "QuantizedLinear", "QuantWeight"]
+def on_first_compile(say):
+    """A context in which `say()` is called once, just before a kernel compiles: Numba has no
+    machine code for it in its cache yet (see jit_cache; imported only here, as it imports
+    Numba)."""
+    from .jit_cache import on_first_compile
+
+    return on_first_compile(say)
+
+
+__all__ = ["DEVICES", "get_backend", "on_first_compile", "awq_layout", "quant", "reference",
+           "ReferenceBackend", "QuantizedLinear", "QuantWeight"]

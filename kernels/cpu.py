@@ -922,6 +922,18 @@ class CpuBackend(reference.ReferenceBackend):
         kernel runs on, they slow it several times over."""
         return self._blas.limit(limits=1, user_api="blas")
 
+    def warm_up(self, layers: list) -> tuple[list, tuple[int, ...]]:
+        """What to run once at load so that every kernel a reply calls is compiled (or read
+        from Numba's cache) before any timing: (layers, token counts of the forward passes).
+        Numba compiles a kernel once per set of argument types, so one layer of each kind of
+        weights (float16 or float32 scales, quantized or float, ...) and a pass of each path
+        (a prompt's GEMMs, a token's fused layer) compile them all."""
+        kinds = {}
+        for layer in layers:
+            key = tuple(numba.typeof(w) for w in vars(layer).values())
+            kinds.setdefault(key, layer)
+        return list(kinds.values()), (SMALL_TOKENS + 1, 1)
+
     def prepare_linear(self, parts: list):
         if all(isinstance(p, quant.QuantWeight) for p in parts):
             return repack(parts)

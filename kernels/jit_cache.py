@@ -8,18 +8,24 @@ again and its cache is written anew, with a warning. A stale cache (the sources 
 Numba detects by the timestamp and size of the kernel's own file; a kernel here also compiles in
 code from the other files of this directory (simd's intrinsics), so `guard()` makes every
 file of the directory part of the stamp: an upgrade that changes only simd.py compiles again.
+
+`on_first_compile(say)` tells the user when a kernel is about to compile (a cache miss: the
+first run on a machine, or after an upgrade) rather than leave tens of seconds unexplained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
+from typing import Callable, Iterator
 
-from numba.core import caching
+from numba.core import caching, event
 
 
 HERE = Path(__file__).resolve().parent
+PACKAGE = HERE.parent    # the installed tinyrt: kernels/, and models/ (whose repacking compiles)
 
 
 def _stamp_sources() -> None:
@@ -78,3 +84,32 @@ def _drop(path: str, error: Exception) -> None:
         os.remove(path)
     except OSError:
         pass
+
+
+class _FirstCompile(event.Listener):
+    """Calls `say()` once, as the first kernel of this package starts compiling."""
+
+    def __init__(self, say: Callable[[], None]):
+        self.say = say
+
+    def on_start(self, ev) -> None:
+        # Numba sends "numba:compile" only when it compiles: a kernel read from its cache
+        # sends nothing, so a warm cache says nothing
+        func = getattr(ev.data.get("dispatcher"), "py_func", None)
+        code = getattr(func, "__code__", None)
+        if self.say is not None and code is not None and \
+                PACKAGE in Path(code.co_filename).resolve().parents:
+            self.say, say = None, self.say
+            say()
+
+    def on_end(self, ev) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def on_first_compile(say: Callable[[], None]) -> Iterator[None]:
+    """Within, `say()` is called once, just before the first of this package's kernels
+    compiles (Numba found no machine code for it in its cache); not at all when every kernel
+    run is read from the cache."""
+    with event.install_listener("numba:compile", _FirstCompile(say)):
+        yield

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 from pathlib import Path
+
+import numpy as np
 
 from tinyrt.errors import ModelFormatError
 from tinyrt.memory import ensure_fits
@@ -56,6 +59,29 @@ def load_model(path: str | Path, backend, dtype: str | None = None) -> LlamaMode
     return model
 
 
+def warm_up(model: LlamaModel, cache, past: bool = False) -> None:
+    """Run `model`'s kernels once, on its empty KV cache `cache` (emptied again after), where
+    its backend compiles them on first use (Numba: tens of seconds the first time on a machine,
+    then a read of its cache): so that this time is spent at load, not inside a reply's
+    timings. The backend says what to run (see CpuBackend.warm_up): a few layers, not the
+    whole model, so that a warm start pays milliseconds for it. `past`: then as many tokens as
+    the cache holds, and one more (a small streaming cache: its evictions call kernels too)."""
+    how = getattr(model.backend, "warm_up", None)
+    if how is None:                        # (NumPy, nothing to compile)
+        return
+    layers, counts = how(model.layers)
+    part = copy.copy(model)                # the same weights and backend, fewer layers
+    part.layers = layers
+    if past:
+        counts = (*counts, cache.capacity, 1)
+    try:
+        for n in counts:
+            if cache.fits(n):              # (a tiny dense cache: nor will a reply's)
+                part.forward(np.zeros(n, np.int64), cache)
+    finally:
+        cache.reset()
+
+
 def trim_heap() -> None:
     """Hand the heap memory freed by the temporaries of a load back to the OS (glibc keeps it
     otherwise: about 30 MB for the default model). A no-op where the C library is not glibc."""
@@ -66,5 +92,6 @@ def trim_heap() -> None:
 
 
 __all__ = ["ModelConfig", "QuantConfig", "FAMILIES", "family", "model_class", "Layer", "LlamaModel",
-           "expected_shapes", "linear_shapes", "open_weights", "load_model", "ModelWeights",
-           "DirectoryWeights", "SafetensorsFile", "WeightStore", "write_safetensors"]
+           "expected_shapes", "linear_shapes", "open_weights", "load_model", "warm_up",
+           "ModelWeights", "DirectoryWeights", "SafetensorsFile", "WeightStore",
+           "write_safetensors"]

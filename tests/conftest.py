@@ -14,9 +14,47 @@ from pathlib import Path
 if ctypes.util.find_library("cuda") is None:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import SESSION_SEED, seeded_rng  # noqa: E402
+
+# The fixtures that fetch or run the real default model. A test that uses one, directly or
+# through another fixture, must carry the real_model marker, so that `-m "not real_model"`
+# (a machine without the model, or a quick run) leaves out every test that needs it.
+REAL_MODEL_FIXTURES = {"default_gguf", "smol", "smol_f32", "smol_awq", "hf_gguf_model",
+                       "hf_gguf_tokenizer"}
+
+
+def pytest_report_header(config):
+    return f"random inputs: TINYRT_TEST_SEED={SESSION_SEED} (set it to replay them)"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # again below a failure, where `-q` (the README's command) shows no header
+    if exitstatus != 0:
+        terminalreporter.write_line(f"random inputs of this run: TINYRT_TEST_SEED={SESSION_SEED}")
+
+
+def pytest_runtest_setup(item):
+    # (a hook, not the fixtures themselves: those are session-scoped, and their request is
+    # the session's, not the test's)
+    used = REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    if used and item.get_closest_marker("real_model") is None:
+        pytest.fail(f"{item.nodeid} uses the real model ({', '.join(sorted(used))}) but has no "
+                    "@pytest.mark.real_model", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_module_rng(request, monkeypatch):
+    """A test module's shared generator (`rng = seeded_rng(__name__)`) starts each test afresh,
+    from the session's seed and the test's id: a replayed seed gives the test the same inputs
+    whether it runs alone or after the rest of its module."""
+    module = getattr(request, "module", None)
+    if isinstance(getattr(module, "rng", None), np.random.Generator):
+        monkeypatch.setattr(module, "rng", seeded_rng(request.node.nodeid))
 
 
 def _lock_simulated_shared_memory() -> None:

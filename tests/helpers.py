@@ -5,10 +5,27 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, settings
+
+# The seed of the session's random inputs: fresh every run (kernels are checked on new inputs
+# each time), printed in pytest's header (conftest); TINYRT_TEST_SEED=N replays a run's inputs.
+SESSION_SEED = int(os.environ.get("TINYRT_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
+_made: dict[str, int] = {}          # generators made so far, per name
+
+
+def seeded_rng(name: str | None = None) -> np.random.Generator:
+    """A generator of random inputs, seeded by the session's seed and a stable hash of `name`
+    (by default the running test's id) and of how many generators of that name came before:
+    a replayed seed gives a test the same inputs whether it runs alone or in the suite. It
+    prints its seed, which pytest shows beside a failure."""
+    name = name or os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    n = _made[name] = _made.get(name, -1) + 1
+    print(f"random inputs {name!r} #{n}: TINYRT_TEST_SEED={SESSION_SEED}")
+    return np.random.default_rng([SESSION_SEED, zlib.crc32(name.encode()), n])
 
 # Property tests' settings: TINYRT_FUZZ_EXAMPLES examples a test (60; more for a long campaign),
 # fresh ones every run (hypothesis prints a failure's example and how to replay it), and no
@@ -215,6 +232,14 @@ def run_tinyrt(*args, input: bytes | str | None = None, env: dict | None = None,
                                          got["out"].decode(errors="replace"),
                                          got["err"].decode(errors="replace"))
     result.peak_bytes, result.seconds = usage.ru_maxrss * 1024, seconds
+    if os.environ.get("TINYRT_RUN_LOG"):        # benchmarks/hostile.py: every run's figures
+        import json
+
+        with open(os.environ["TINYRT_RUN_LOG"], "a") as log:
+            log.write(json.dumps({"args": [os.fsdecode(a)[:80] for a in args],
+                                  "returncode": p.returncode, "seconds": seconds,
+                                  "peak_bytes": result.peak_bytes,
+                                  "stderr": result.stderr[-300:]}) + "\n")
     return result
 
 

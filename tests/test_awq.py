@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from helpers import CORPUS, hf_logits, hf_model, random_weights, rel_err, tiny_config, write_tiny_model
+from helpers import (CORPUS, hf_logits, hf_model, random_weights, rel_err, seeded_rng, tiny_config,
+                     write_tiny_model)
 from tinyrt.converters import convert
 from tinyrt.converters.awq import (QuantOptions, awq_layer, layer_forward, linear_mse, output_mse,
                                    search_scales)
@@ -51,7 +52,7 @@ def test_pack_unpack_round_trip(rows, words, data):
 
 
 def test_packed_tensor_read_by_the_written_definition():
-    codes = np.random.default_rng().integers(0, 16, (5, 24)).astype(np.uint8)
+    codes = seeded_rng().integers(0, 16, (5, 24)).astype(np.uint8)
     packed = awq_layout.pack(codes)
     for r in range(5):
         for c in range(24):
@@ -62,7 +63,7 @@ def test_packed_tensor_read_by_the_written_definition():
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from([8, 16, 32]), st.integers(1, 4), st.integers(1, 3), st.floats(0.01, 100))
 def test_group_quantization_error_is_within_half_a_step(g, groups, out, scale):
-    w = (np.random.default_rng().standard_normal((out, g * groups)) * scale).astype(np.float32)
+    w = (seeded_rng().standard_normal((out, g * groups)) * scale).astype(np.float32)
     codes, scales, zeros = quantize(w, g)
     assert codes.max() <= 15 and zeros.max() <= 15
     err = np.abs(dequantize(codes, scales, zeros) - w).reshape(out, groups, g)
@@ -82,7 +83,7 @@ def test_the_compiled_quantizer_follows_its_definition(g, bits):
     """quantize and fake_quantize (Numba loops) give exactly what the module docstring's
     formulas give in NumPy float32, rounding half to even: on ties (weights on a quarter grid)
     and flat groups too; fake_quantize is dequantize(quantize) exactly."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     w = rng.standard_normal((37, 4 * g)).astype(np.float32)
     w[::3] = np.round(w[::3] * 4) / 4
     w[1, :g] = 0.25
@@ -103,7 +104,7 @@ def test_the_compiled_quantizer_follows_its_definition(g, bits):
 
 
 def test_pack_linear_dequantizes_to_the_fake_quantized_weight():
-    w = np.random.default_rng().standard_normal((48, 64)).astype(np.float32)
+    w = seeded_rng().standard_normal((48, 64)).astype(np.float32)
     t = pack_linear(w, 32)
     assert t["qweight"].shape == (64, 6) and t["qzeros"].shape == (2, 6) and t["scales"].shape == (2, 48)
     assert t["scales"].dtype == np.float16
@@ -114,7 +115,7 @@ def test_pack_linear_dequantizes_to_the_fake_quantized_weight():
 def test_scale_search_never_loses_to_plain_rounding():
     """Without the duo form the grid starts at s = 1 (plain rounding), so the chosen scales' loss
     is at most that of round-to-nearest."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = rng.standard_normal((300, 64)).astype(np.float32)
     x[:, [3, 17]] *= 30                                     # salient input channels
     w = rng.standard_normal((32, 64)).astype(np.float32)
@@ -142,7 +143,7 @@ def test_folded_scales_keep_the_float_layer(kv_heads, family):
     from tinyrt.kernels import reference as ops
     from tinyrt.models.rope import rope_inv_freq
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d = tiny_config(num_key_value_heads=kv_heads, model_type=family)
     cfg = ModelConfig.from_dict(d)
     w = {k: v for k, v in random_weights(d, seed=int(rng.integers(1 << 30))).items()

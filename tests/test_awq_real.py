@@ -11,6 +11,8 @@ import tinyrt
 from tinyrt.converters import convert
 from tinyrt.perplexity import perplexity
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module")
 def smol_rtn(default_gguf, tmp_path_factory):

@@ -61,8 +61,35 @@ def test_bench_counts_the_cuda_backend_s_tensors(tmp_path):
 ])
 def test_bad_sizes_are_refused_before_loading(tmp_path, args, flag):
     """(The model does not exist: the option is refused first, before a cache of the sizes'
-    sum is allocated.)"""
+    sum is allocated; the model named as with every command, as the first argument or -m.)"""
     assert_refused(run_tinyrt("bench", str(tmp_path / "no-model"), *args), flag)
+    assert_refused(run_tinyrt("bench", "-m", str(tmp_path / "no-model"), *args), flag)
+
+
+def test_bench_decodes_greedily_without_a_penalty_whatever_the_model_asks(tmp_path):
+    """Its runs time the plain decode step, the same tokens each run, though the model's
+    generation_config.json asks for sampling with a repeat penalty."""
+    import json
+
+    d = write_tiny_model(tmp_path / "m", tiny_config())
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.9,
+                                                          "repetition_penalty": 1.3}))
+    llm = tinyrt.LLM(d, kv_size=32)
+    assert llm.sampling_defaults() == {"temperature": 0.9, "repeat_penalty": 1.3}
+    runs, generation = [], llm.generation
+
+    def recorded(*a, **k):
+        g = generation(*a, **k)
+        runs.append(g)
+        return g
+
+    llm.generation = recorded
+    bench.run(llm, prompt_tokens=8, decode_tokens=6, runs=3)
+    params = {g.sampler.params for g in runs}
+    assert len(runs) == 3 and len(params) == 1
+    p = params.pop()
+    assert p.temperature == 0 and p.repeat_penalty == 1.0
+    assert len({tuple(g.tokens) for g in runs}) == 1
 
 
 def test_bench_run_refuses_what_it_cannot_measure(tmp_path):

@@ -1,21 +1,26 @@
 """ChatSession and `tinyrt chat`: multi-turn reuse of the KV cache, stopping a reply, the cache
 policies, saving, and the real command driven in a pseudo-terminal and through a pipe."""
 
+import io
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import tinyrt
-from helpers import HOSTILE_BYTES, run_tinyrt, tiny_config, write_tiny_model
+from helpers import HOSTILE_BYTES, run_tinyrt, seeded_rng, tiny_config, write_tiny_model
 from tinyrt import chat as chat_module
+from tinyrt.cli import build_parser
+from tinyrt.cli import chat as chat_cli
 from tinyrt.errors import CacheFullError, TinyrtError
+from tinyrt.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
-rng = np.random.default_rng()
+rng = seeded_rng(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +376,241 @@ def test_send_refuses_bad_settings_and_text(tiny):
     assert len(chat.messages) == 2
 
 
+# -- rendering replies in a terminal -----------------------------------------------------------
+
+def screen(output: str, width: int) -> tuple[list[str], int]:
+    """What a terminal shows after `output`, as text lines (colours dropped), and the most lines
+    the cursor went up at once (a live region drawn again). It knows the controls rich's Live
+    region uses (carriage return, newline, cursor up, erase line); a line drawn past `width`
+    (the terminal would wrap it where it falls, mid-word) fails."""
+    lines, row, col, up, most_up = [""], 0, 0, 0, 0
+    for tok in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\r|\n|"
+                          r"[^\x1b\r\n]+", output):
+        if tok == "\r":
+            col = 0
+        elif tok == "\n":
+            row, col, up = row + 1, 0, 0
+            lines += [""] * (row + 1 - len(lines))
+        elif tok.startswith("\x1b[") and tok[-1] == "A":
+            n = int(tok[2:-1] or 1)
+            row, up = row - n, up + n
+            most_up = max(most_up, up)
+            assert row >= 0
+        elif tok.startswith("\x1b[") and tok[-1] == "K":
+            lines[row] = ""
+        elif not tok.startswith("\x1b"):
+            line = lines[row].ljust(col)
+            lines[row] = line[:col] + tok + line[col + len(tok):]
+            col += len(tok)
+            assert col <= width, f"drawn past the width: {lines[row]!r}"
+    lines = [line.rstrip() for line in lines]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines, most_up
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[A-Za-z]+", text)
+
+
+MARKDOWN = """# Heading words
+
+Some **bold words** and `inline code` in a paragraph long enough to wrap around twice at forty.
+
+Here is code:
+```python
+def twice(x):
+    return x * 2
+```
+After the code block.
+
+1. first item
+2. second item
+
+- bullet one
+- bullet two
+
+Last paragraph without an end"""
+
+
+def stream(text: str, pieces: list[int], *, markdown: bool = True, width: int = 40,
+           height: int = 25, interval: float = 0.0, check=None) -> str:
+    """`text` streamed in pieces of the given lengths through a terminal chat's Printer on a
+    fake terminal; returns what was written to it."""
+    from rich.console import Console
+
+    f = io.StringIO()
+    console = Console(file=f, width=width, height=height, force_terminal=True,
+                      color_system="truecolor")
+    reply = chat_cli.Printer(console, markdown=markdown, notes=console,
+                             interval=interval).reply()
+    at = 0
+    for n in pieces:
+        reply.write(text[at:at + n])
+        at += n
+        if check:
+            check(reply)
+    reply.write(text[at:])
+    reply.close()
+    return f.getvalue()
+
+
+def random_pieces(n: int) -> list[int]:
+    return list(rng.integers(1, 8, size=n))
+
+
+def test_a_reply_renders_as_markdown_as_it_streams():
+    """Pieces of a markdown reply (as tokens come): on the terminal, headings, emphasis, code
+    and lists rendered (no markup left), each word whole on a line no wider than the terminal,
+    every word once in order, the code highlighted; what stays on the screen is what rich
+    draws for the whole reply at once."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    f = io.StringIO()
+    Console(file=f, width=40, force_terminal=True).print(Markdown(MARKDOWN))
+    whole, _ = screen(f.getvalue(), 40)
+    while not whole[0]:                      # (rich may start with a blank line)
+        whole.pop(0)
+    expected = words(re.sub(r"```\w*", "", MARKDOWN))
+    for interval in (0.0, 1e9):              # every piece drawn; only the first and the end
+        pieces = random_pieces(60)
+        out = stream(MARKDOWN, pieces, interval=interval)
+        shown, _ = screen(out, 40)
+        text = "\n".join(shown)
+        assert words(text) == expected, pieces
+        assert not re.search(r"\*\*|```|^#|^- |^1\.", text, re.M), text
+        assert "Heading words" in text and " • bullet one" in text and " 1 first item" in text
+        assert re.search(r"^ +def twice\(x\):", text, re.M)          # a code block's margin
+        assert re.search(r"\x1b\[[0-9;]*mdef\b", out)              # (a colour for `def`)
+        assert shown == whole, pieces
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.5, 0.8])
+def test_a_stopped_reply_keeps_what_it_said(cut):
+    """Ctrl-C ends a reply anywhere (in a word, in a code block): what came is on the screen,
+    every word of it once."""
+    text = MARKDOWN[:int(len(MARKDOWN) * cut)]
+    pieces = random_pieces(len(text) // 8)
+    shown, _ = screen(stream(text, pieces), 40)
+    assert words("\n".join(shown)) == words(re.sub(r"```\w*", "", text)), pieces
+
+
+def test_a_long_reply_draws_only_its_last_block():
+    """Complete blocks are printed once and left; only the last, unfinished one is drawn
+    again, and no more of it than fits the screen (a 30-line code block on a 12-line screen):
+    a drawing costs one block, not the reply, and the screen does not scroll oddly."""
+    para = "Words that make a paragraph of some length, " * 4
+    code = "```\n" + "\n".join(f"line number {i} of the code" for i in range(30)) + "\n```\n"
+    text = "\n\n".join([para, code, "- item\n- item", para] * 5)
+    longest = max(len(para), len(code)) + 2
+    seen = []
+
+    def check(reply):
+        seen.append(len(reply.tail))
+        assert len(reply.tail) <= longest
+
+    out = stream(text, [5] * (len(text) // 5), height=12, check=check)
+    shown, most_up = screen(out, 40)
+    assert words("\n".join(shown)) == words(text)
+    assert most_up < 12 and max(seen) > len(para)   # (the code block was live, in part)
+
+
+def test_plain_text_in_a_terminal_wraps_at_words():
+    """--plain: the text as written (markup and all), its lines kept, wrapped between words."""
+    text = ("A **line** of plain words long enough to wrap at least twice in forty columns.\n\n"
+            "```\nsecond_line = 'kept'\n```\nlast words")
+    shown, _ = screen(stream(text, random_pieces(40), markdown=False), 40)
+    assert " ".join(shown).split() == text.split()
+    assert shown[0].startswith("A **line**") and "```" in shown and shown[-1] == "last words"
+
+
+def test_piped_replies_are_plain_text(capsys):
+    """Without a console (stdout not a terminal) a reply is the text as generated, then a line
+    end; nothing else on stdout."""
+    reply = chat_cli.Printer(None).reply()
+    for piece in ("# Title\n", "**bold** ", "x" * 100):
+        reply.write(piece)
+    reply.close()
+    assert capsys.readouterr().out == "# Title\n**bold** " + "x" * 100 + "\n"
+    chat_cli.Printer(None).reply().close(ended=False)           # (an error's note follows)
+    assert capsys.readouterr().out == ""
+
+
+def test_complete_blocks():
+    """Where a streaming markdown reply is cut: before a block that begins at the margin after
+    a blank line, a code block, or the line after one; never inside a code block or before an
+    indented line (a list item's rest)."""
+    cb = chat_cli.complete_blocks
+    assert cb("one\n\ntwo") == 5 and cb("one\n\n") == 0 and cb("one\ntwo") == 0
+    assert cb("para\n```py\ncode\n") == 5 and cb("para\n```py") == 0
+    assert cb("```\na\n\nb\n") == 0 and cb("```\na\n\nb\n```\nnext") == 13
+    assert cb("1. item\n\n   more of it") == 0 and cb("1. item\n\n2. item") == 9
+    assert cb("~~~\n```\n\nx\n") == 0 and cb("```\n~~~\n\nx\n```\n\ny") == 16
+
+
+# -- /set ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def with_config(tiny, tmp_path):
+    """The tiny model with a generation_config.json that asks for temperature 0.6, top_p 0.9."""
+    d = tmp_path / "g"
+    shutil.copytree(tiny, d)
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    return d
+
+
+def test_set_shows_the_settings_in_effect(with_config, capsys):
+    chat = tinyrt.ChatSession(tinyrt.LLM(with_config, kv_size=256), max_tokens=None,
+                              top_k=7)
+    chat_cli.command(chat, "/set", chat_cli.Printer(None))
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in
+            capsys.readouterr().err.splitlines()}
+    assert rows["temperature"] == ["0.6", "the model's generation_config"]
+    assert rows["top_p"] == ["0.9", "the model's generation_config"]
+    assert rows["top_k"] == ["7"]                              # the session's
+    for key in ("min_p", "repeat_penalty"):                    # the sampler's own defaults
+        value = getattr(SamplingParams(temperature=0.6, top_p=0.9), key)
+        assert rows[key] == [str(value), "default"]
+    assert rows["max_tokens"] == [str(DEFAULT_MAX_TOKENS), "default"]
+    assert rows["seed"] == ["random"] and rows["stop"] == ["none"]
+
+
+def test_set_changes_a_setting_and_refuses_bad_values(with_config, capsys):
+    chat = tinyrt.ChatSession(tinyrt.LLM(with_config, kv_size=256), ignore_eos=True)
+    out = chat_cli.Printer(None)
+    for line, key, value in [("/set temp 0", "temperature", 0.0), ("/set top-k 5", "top_k", 5),
+                             ("/set --top_p 0.5", "top_p", 0.5), ("/set min_p 0.1", "min_p", 0.1),
+                             ("/set repeat-penalty 1.3", "repeat_penalty", 1.3),
+                             ("/set max_tokens 3", "max_tokens", 3), ("/set seed 9", "seed", 9),
+                             ("/set stop the end", "stop", ["the end"]),
+                             ("/set seed -1", "seed", None), ("/set stop default", "stop", None),
+                             ("/top-p 0.7", "top_p", 0.7), ("/max-tokens 4", "max_tokens", 4)]:
+        chat_cli.command(chat, line, out)
+        assert chat.settings[key] == value, line
+        assert capsys.readouterr().err.startswith(f"{key} = "), line
+    chat_cli.command(chat, "/set temperature default", out)
+    assert capsys.readouterr().err == ("temperature = 0.6 (the model's generation_config)\n")
+    before = dict(chat.settings)
+    for line, words_ in [("/set temperature -1", "temperature"), ("/set top_k 2.5", "top_k"),
+                         ("/set top_p 0", "top_p"), ("/set max-tokens 0", "max_tokens"),
+                         ("/set seed abc", "seed"), ("/set min_p", "min_p"),
+                         ("/set nosuch 1", "nosuch"), ("/temp x", "temperature")]:
+        chat_cli.command(chat, line, out)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words_ in err and err.count("\n") == 1, line
+        assert chat.settings == before, line
+    chat_cli.command(chat, "hello", out)                     # the turn runs on the settings
+    assert chat.last.generated_tokens == 4
+
+
+def test_chat_plain_flag():
+    parse = build_parser().parse_args
+    assert parse(["chat"]).markdown is True
+    assert parse(["chat", "--plain"]).markdown is False
+    assert parse(["chat", "--no-markdown"]).markdown is False
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 def test_piped_chat(tiny, tmp_path):
@@ -381,8 +621,9 @@ def test_piped_chat(tiny, tmp_path):
     saved = json.loads((tmp_path / "c.json").read_text())
     assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["hello", "second turn"]
     assert saved["settings"]["max_tokens"] == 5
-    for m in saved["messages"][1::2]:
-        assert m["content"] in p.stdout
+    # stdout is the replies as generated, each ended by a line end, and nothing else (scripts
+    # read it): no rendering, no colour
+    assert p.stdout == "".join(m["content"] + "\n" for m in saved["messages"][1::2])
     assert "prefill" in p.stderr and "last reply: TTFT" in p.stderr
     # a dense cache too small for the conversation: a message, no traceback, the chat goes on
     p = subprocess.run([sys.executable, "-m", "tinyrt", "chat", "-m", str(tiny), "--kv-size", "80",
@@ -438,6 +679,9 @@ def test_terminal_chat(tiny, tmp_path):
     ready(c)
     c.sendline("/max-tokens 20")
     c.expect("max_tokens = 20")
+    ready(c)
+    c.sendline("/set top-k 5")
+    c.expect("top_k = 5")
     ready(c)
     c.sendline("hello")
     c.expect(r"20 tokens · cache \d+/4096")

@@ -159,11 +159,85 @@ def tiny_dir(tmp_path_factory):
     (["--min-p", "-0.1"], ["--min-p"]), (["--repeat-penalty", "0"], ["--repeat-penalty"]),
     (["-n", "0"], ["--max-tokens"]), (["--max-tokens", "9" * 30], ["--max-tokens"]),
     (["--stop", ""], ["--stop"]), (["--device", "tpu"], ["--device"]),
+    # the cache's and the runtime's options
+    (["--kv-size", "0"], ["--kv-size"]), (["--kv-size", "-3"], ["--kv-size"]),
+    (["--kv-size", str(1 << 40)], ["--kv-size"]), (["--sinks", "-1"], ["--sinks"]),
+    (["--recent", "0"], ["--recent"]), (["--kv-group", "0"], ["--kv-group"]),
+    (["--kv-residual", "-1"], ["--kv-residual"]), (["--kv-mem", "0MB"], ["not a size"]),
+    (["--kv-policy", "sink", "--kv-size", "4"], ["--sinks 4", "size 4"]),
+    (["--kv-policy", "h2o", "--kv-size", "16", "--recent", "13"], ["--recent 13"]),
+    (["--threads", "0"], ["--threads"]), (["--threads", "100000"], ["--threads", "CPUs"]),
+    (["--draft-tokens", "0"], ["--draft-tokens"]), (["--draft-tokens", "33"], ["--draft-tokens"]),
 ])
 def test_bad_generation_options_are_refused_before_loading(tmp_path, args, words):
     """The model named does not exist: the option is what is refused, so it was checked first."""
     p = run_tinyrt("generate", "-m", str(tmp_path / "no-model"), "hi", *args)
     assert_refused(p, *words)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["chat", "--threads", "100000"], ["--threads"]), (["chat", "--kv-size", "0"], ["--kv-size"]),
+    (["bench", "--threads", "0"], ["--threads"]), (["bench", "--draft-tokens", "99"], ["--draft-tokens"]),
+    (["ppl", "--text", "t.txt", "--kv-size", "0"], ["--kv-size"]),
+    (["ppl", "--text", "t.txt", "--ctx", "1"], ["--ctx"]),
+    (["ppl", "--text", "t.txt", "--threads", "100000"], ["--threads"]),
+    (["serve", "--port", "70000"], ["--port"]), (["serve", "--max-queue", "-1"], ["--max-queue"]),
+    (["serve", "--max-body", "0"], ["--max-body"]), (["serve", "--sinks", "-2"], ["--sinks"]),
+])
+def test_every_command_checks_its_options_before_loading(tmp_path, args, words):
+    p = run_tinyrt(*args[:1], str(tmp_path / "no-model"), *args[1:], input=b"")
+    assert_refused(p, *words)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["generate", "--temprature", "0.5", "Hi"],
+     "unknown option --temprature (did you mean --temperature?)"),
+    (["generate", "Hi", "--temprature=0.5"],
+     "unknown option --temprature (did you mean --temperature?)"),
+    (["chta"], "unknown command chta (did you mean chat?)"),
+    (["ppl", "--txt", "f.txt"], "unknown option --txt (did you mean --text?)"),
+    (["generate", "--temperature", "0", "--kv-sise", "8"],
+     "unknown option --kv-sise (did you mean --kv-size?)"),
+    (["--temperature", "0", "generate", "Hi"],
+     "unknown option --temperature (options go after the command: tinyrt COMMAND --temperature ...)"),
+])
+def test_a_misspelled_option_or_command_is_named_with_the_closest(args, line):
+    """Before anything else is made of the arguments (0.5 is not taken as the prompt, the
+    required --text is not what is reported): one line, argparse's exit code 2."""
+    p = run_tinyrt(*args)
+    assert assert_refused(p) == f"tinyrt: error: {line}" and p.returncode == 2
+
+
+def test_model_is_given_as_the_first_argument_or_with_m(tiny_dir):
+    """`generate MODEL PROMPT` as `generate -m MODEL PROMPT`, options anywhere among them;
+    two models are refused."""
+    opts = ("-n", "4", "--ignore-eos", "--temperature", "0", "--json")
+    texts = set()
+    for args in (("-m", str(tiny_dir), "hi", *opts), (str(tiny_dir), "hi", *opts),
+                 (str(tiny_dir), *opts, "hi")):
+        p = run_tinyrt("generate", *args)
+        assert p.returncode == 0, p.stderr
+        texts.add(json.loads(p.stdout)["text"])
+    assert len(texts) == 1
+    assert_refused(run_tinyrt("generate", "-m", str(tiny_dir), "other", "hi"), "two models")
+    p = run_tinyrt("generate", *opts, "--", str(tiny_dir), "-hi")      # a PROMPT that starts with -
+    assert p.returncode == 0 and json.loads(p.stdout)["tokens"] == 4, p.stderr
+
+
+def test_the_default_sampling_is_the_one_help_states(tiny_dir):
+    """Without sampling options: llama.cpp's temperature, top-k, top-p and min-p, and the repeat
+    penalty 1.1 (the tiny model has no generation_config.json), as --help says."""
+    run = ("generate", "-m", str(tiny_dir), "hi", "-n", "12", "--ignore-eos", "--seed", "5",
+           "--json")
+    default = run_tinyrt(*run)
+    stated = run_tinyrt(*run, "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95",
+                        "--min-p", "0.05", "--repeat-penalty", "1.1")
+    assert default.returncode == 0 and stated.returncode == 0, default.stderr + stated.stderr
+    assert json.loads(default.stdout)["text"] == json.loads(stated.stdout)["text"]
+    helped = run_tinyrt("generate", "--help").stdout
+    for words in ("(default 0.8)", "(default 40)", "(default 0.95)", "(default 0.05)",
+                  "(default 1.1 when sampling"):
+        assert words in " ".join(helped.split()), words
 
 
 @pytest.mark.parametrize("args, words", [

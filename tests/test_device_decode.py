@@ -111,11 +111,12 @@ def test_device_sampler_draws_from_the_host_distribution(params):
         tok = int(be.to_numpy(out)[0])
         assert tok in ids
         history.append(tok)
-    greedy = device_decode.DeviceSampler(be, Sampler(SamplingParams(repeat_penalty=1.5)), V, 0)
+    penalized = SamplingParams(temperature=0, repeat_penalty=1.5)
+    greedy = device_decode.DeviceSampler(be, Sampler(penalized), V, 0)
     greedy.start(history)
     logits = rng.standard_normal(V).astype(np.float32)
     greedy(be.dev(logits[None]), out)
-    assert int(be.to_numpy(out)[0]) == Sampler(SamplingParams(repeat_penalty=1.5))(logits, history)
+    assert int(be.to_numpy(out)[0]) == Sampler(penalized)(logits, history)
 
 
 @pytest.fixture(scope="module")

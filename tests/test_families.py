@@ -10,12 +10,13 @@ import pytest
 
 import tinyrt
 from gguf_helpers import write_gguf
-from helpers import CHATML, byte_level_tokenizer, hf_logits, hf_model, rel_err, tiny_config
+from helpers import (CHATML, byte_level_tokenizer, hf_logits, hf_model, rel_err, seeded_rng,
+                     tiny_config)
 from tinyrt.converters import convert
 from tinyrt.kernels import awq_layout, quant, reference
 from tinyrt.models import FAMILIES, WeightStore
 
-rng = np.random.default_rng()
+rng = seeded_rng(__name__)
 SIZES = dict(vocab_size=320, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)

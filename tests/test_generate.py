@@ -129,7 +129,10 @@ def _untouched(llm, monkeypatch):
     (lambda llm: llm.generate("hi", max_tokens=0), "max_tokens"),
     (lambda llm: llm.generate("hi", stop=[1, 2]), "stop"),
     (lambda llm: llm.generate("hi", repeat_penalty=0), "repeat_penalty"),
-    (lambda llm: llm.generate("hi", bogus=1), "unknown setting 'bogus'"),
+    (lambda llm: llm.generate("hi", bogus=1), "unknown option 'bogus'"),
+    (lambda llm: llm.generate("hi", tempreature=0.5), "(did you mean 'temperature'?)"),
+    (lambda llm: llm.generation([5], max_new_token=3), "(did you mean 'max_new_tokens'?)"),
+    (lambda llm: llm.complete([5], temp=-1), "temp must be"),
     (lambda llm: llm.generate("a\ud800b"), "not valid Unicode"),
     (lambda llm: llm.generate("hi", system="\udcff"), "not valid Unicode"),
     (lambda llm: llm.generate("x" * 20_000), "KV cache of 64 tokens"),
@@ -175,3 +178,75 @@ def test_bad_generation_config_values_warn_and_take_the_default(tmp_path, capfd)
     assert len(err) == 3 and all(line.startswith("warning: ") for line in err), err
     for name in ("top_k", "temperature", "top_p"):
         assert sum(name in line and "generation_config.json" in line for line in err) == 1
+
+
+def test_other_runtimes_names_for_the_options(tiny_llm):
+    """mlx-lm's temp, HF's max_new_tokens and repetition_penalty, OpenAI's
+    max_completion_tokens: the reply is the one our names give, through every call."""
+    ours = dict(temperature=0, max_tokens=6, repeat_penalty=1.5, ignore_eos=True)
+    want = tiny_llm.generate("hi", **ours)
+    assert tiny_llm.generate("hi", temp=0, max_new_tokens=6, repetition_penalty=1.5,
+                             ignore_eos=True) == want
+    assert "".join(r.text for r in tiny_llm.stream(
+        "hi", temp=0, max_completion_tokens=6, repetition_penalty=1.5, ignore_eos=True)) == want
+    ids = tiny_llm.prompt_ids("hi")
+    replies = []
+    for options in (ours, dict(temp=0, max_new_tokens=6, repetition_penalty=1.5, ignore_eos=True)):
+        tiny_llm.reset()
+        replies.append([r.token for r in tiny_llm.generation(ids, **options)
+                        if r.token is not None])
+    assert replies[0] == replies[1] and len(replies[0]) == 6
+
+
+def _params(llm, **options):
+    """The sampling settings a reply of `llm` runs on, with `options`."""
+    return llm.generation([5], **options).sampler.params
+
+
+def test_default_sampling_is_the_model_s_else_llama_cpp_s(tiny_llm, tmp_path):
+    """Without a generation_config.json: llama.cpp's sampling and ollama's repeat penalty;
+    temperature 0 is plain greedy. The model's settings come first, the caller's over them."""
+    import json
+    import shutil
+
+    import tinyrt
+
+    p = _params(tiny_llm)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty) == (0.8, 40, 0.95, 0.05, 1.1)
+    assert _params(tiny_llm, temperature=0).repeat_penalty == 1.0
+    assert _params(tiny_llm, temp=0.5).temperature == 0.5
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llm.directory, d)
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20,
+                                                          "repetition_penalty": 1.05}))
+    llm = tinyrt.LLM(d, kv_size=64)
+    p = _params(llm)
+    assert (p.temperature, p.top_k, p.top_p, p.repeat_penalty) == (0.6, 20, 0.95, 1.05)
+    assert _params(llm, temperature=0).repeat_penalty == 1.05     # (the model asks for it)
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    p = _params(tinyrt.LLM(d, kv_size=64))
+    assert (p.temperature, p.repeat_penalty) == (0.0, 1.0)
+
+
+def test_load_options_are_checked_before_anything_loads(tmp_path):
+    """--threads (1 to the CPUs this process may use), --draft-tokens and the KV cache's sizes:
+    refused naming the option before the model is looked for (it does not exist)."""
+    import tinyrt
+    from tinyrt.api import cpu_count
+    from tinyrt.errors import TinyrtError
+
+    missing = tmp_path / "no-model"
+    for kw, words in [(dict(threads=0), "--threads"), (dict(threads=cpu_count() + 1), "CPUs"),
+                      (dict(threads=1.5), "--threads"), (dict(draft_tokens=0), "--draft-tokens"),
+                      (dict(draft_tokens=33), "--draft-tokens"), (dict(kv_size=0), "--kv-size"),
+                      (dict(kv_size=-5), "--kv-size"), (dict(kv_size=2.5), "--kv-size"),
+                      (dict(kv_size=1 << 40), "--kv-size"), (dict(sinks=-1), "--sinks"),
+                      (dict(recent=0), "--recent"), (dict(kv_group=0), "--kv-group"),
+                      (dict(kv_policy="sink", kv_size=8, sinks=8), "--sinks 8"),
+                      (dict(kv_policy="h2o", kv_size=16, sinks=4, recent=13), "--recent 13"),
+                      (dict(kv_szie=64), "did you mean 'kv_size'?")]:
+        with pytest.raises(TinyrtError) as e:
+            tinyrt.load(missing, **kw)
+        assert words in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
+    with pytest.raises(TinyrtError, match="--threads"):
+        tinyrt.LLM(missing, threads=cpu_count() + 1)

@@ -5,7 +5,7 @@ import pytest
 from numba import njit
 
 import tinyrt
-from helpers import random_quant, rel_err, tiny_config, write_tiny_model
+from helpers import random_quant, rel_err, seeded_rng, tiny_config, write_tiny_model
 from tinyrt.converters import convert
 from tinyrt.kernels import cpu, get_backend, quant
 from tinyrt.kernels import reference as ref
@@ -13,7 +13,7 @@ from tinyrt import kv_cache
 from tinyrt.kv_cache import CacheOptions, make_cache
 from tinyrt.models import FAMILIES
 
-rng = np.random.default_rng()
+rng = seeded_rng(__name__)
 
 
 def packed(n_in: int, n_out: int, g: int, bits: int = 4, half: bool = True,

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from helpers import quant_store, random_quant, random_weights, rel_err, tiny_config
+from helpers import quant_store, random_quant, random_weights, rel_err, seeded_rng, tiny_config
 from tinyrt.kernels import gpu, kv_quant, quant
 from tinyrt.kernels import reference as ref
 
 pytestmark = pytest.mark.usefixtures("quick_barriers")
 
-rng = np.random.default_rng()
+rng = seeded_rng(__name__)
 
 
 def run(launch, *arrays):
@@ -145,7 +145,7 @@ def test_attention(ratio, window, dtype, T, tables, h2o):
     hiding later ones' slots) over a ring buffer (positions in any order, some free, some after
     the queries), a slot table per KV head with H2O's scores (h2o) or one for all ([1, S]: dense
     and sink caches); S below the capacity C."""
-    rng = _fresh_rng()
+    rng = seeded_rng()
     G, D, C, S = 2, 16, 48, 40
     Q = G * ratio
     q_pos = 400 - 2 * np.arange(T)[::-1]
@@ -166,7 +166,7 @@ def test_attention_in_splits_and_batches(monkeypatch):
     """Splits of 8 slots, one of them all free or hidden, another past the query; a prompt's
     queries in batches of two (SCORES_MAX small), one of them seeing no slot (its output 0):
     against the reference, scores included."""
-    rng = _fresh_rng()
+    rng = seeded_rng()
     G, Q, D, S, chunk = 2, 4, 8, 45, 8
     monkeypatch.setattr(gpu, "SCORES_MAX", 2 * Q * S)
     q_pos = np.array([50, 51, 3, 53, 54])                 # query 2: before every position (14..)
@@ -244,13 +244,6 @@ def test_a_float16_cache_at_the_gpu_s_launch_shapes(tmp_path, gpu_shapes):
         assert rel_err(fast.backend.to_numpy(a), b) < 3e-3
 
 
-def _fresh_rng():
-    """A generator of fresh random inputs whose seed a failure prints (pytest shows stdout)."""
-    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
-    print("seed", seed)
-    return np.random.default_rng(seed)
-
-
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -266,7 +259,7 @@ def test_store_kv_quantized(bits, order):
     again, some groups keeping their grid as kv_quant.requantize says); some tokens constant
     (scale 0), some of a tiny range (float16 scales below its normal range), some past
     float16's range (clamped)."""
-    rng = _fresh_rng()
+    rng = seeded_rng()
     N, D, B = 2, 16, 4
     C = 8 * B
     want, got = (quant_store(N, C, D, bits, B, 2 * B, pin=1) for _ in range(2))
@@ -303,7 +296,7 @@ def test_attention_over_quantized_cache(bits, T, window, h2o):
     reference: one query reads the codes in place (attention_decode_q), a prompt's queries a
     float copy of the slots. Positions held in any order per KV head, some slots free (-1),
     some after the queries (hidden); a window; H2O's scores."""
-    rng = _fresh_rng()
+    rng = seeded_rng()
     G, ratio, D, B, C, S = 2, 2, 16, 4, 64, 57
     store = quant_store(G, C, D, bits, B, 2 * B, pin=1)
     slots = np.tile(np.arange(S), (G, 1))

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import status_kib
+from helpers import seeded_rng, status_kib
 from tinyrt.kernels import reference as ref
 
 
 def test_rmsnorm():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x, w = rng.standard_normal((5, 96)).astype(np.float32), rng.standard_normal(96).astype(np.float32)
     xt = torch.from_numpy(x)
     want = (xt * torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + 1e-5)) * torch.from_numpy(w)
@@ -21,7 +21,7 @@ def test_rmsnorm():
 def test_rope_matches_hf_rotate_half():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T, N, D = 7, 3, 16
     x = rng.standard_normal((T, N, D)).astype(np.float32)
     pos = rng.integers(0, 1000, T)
@@ -35,7 +35,7 @@ def test_rope_matches_hf_rotate_half():
 
 
 def test_silu_mul():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     g, u = rng.standard_normal((4, 33)).astype(np.float32), rng.standard_normal((4, 33)).astype(np.float32)
     want = torch.nn.functional.silu(torch.from_numpy(g)) * torch.from_numpy(u)
     np.testing.assert_allclose(ref.silu_mul(g, u), want.numpy(), rtol=1e-5, atol=1e-6)
@@ -44,7 +44,7 @@ def test_silu_mul():
 @pytest.mark.parametrize("Q, G", [(4, 4), (6, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("T, past", [(1, 9), (5, 0), (7, 4)])
 def test_attention_matches_sdpa_gqa(Q, G, T, past):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     D, S = 16, past + T
     q = rng.standard_normal((T, Q, D)).astype(np.float32)
     k = rng.standard_normal((G, S, D)).astype(np.float32)
@@ -60,7 +60,7 @@ def test_attention_matches_sdpa_gqa(Q, G, T, past):
 
 
 def test_attention_ignores_slot_order_and_free_slots():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     G, Q, S, D = 2, 4, 12, 8
     q = rng.standard_normal((3, Q, D)).astype(np.float32)
     k = rng.standard_normal((G, S, D)).astype(np.float32)
@@ -78,7 +78,7 @@ def test_attention_ignores_slot_order_and_free_slots():
 
 
 def test_sliding_window():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     G, Q, S, D, W = 1, 2, 10, 8, 4
     q = rng.standard_normal((1, Q, D)).astype(np.float32)
     k = rng.standard_normal((G, S, D)).astype(np.float32)

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 import tinyrt
-from helpers import tiny_config, write_tiny_model
+from helpers import seeded_rng, tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.kernels import get_backend, reference as ref
 from tinyrt.kv_cache import SCORE_DECAY, CacheOptions, H2OCache, KVCache, KVLayout, SinkCache
 
-rng = np.random.default_rng()
+rng = seeded_rng(__name__)
 STEPS = 2000
 
 

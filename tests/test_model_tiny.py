@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from helpers import hf_logits, hf_model, random_weights, rel_err, tiny_config, write_tiny_model
+from helpers import (hf_logits, hf_model, random_weights, rel_err, seeded_rng, tiny_config,
+                     write_tiny_model)
 from tinyrt.errors import CacheFullError, ModelFormatError
 from tinyrt.kernels import get_backend
 from tinyrt.kv_cache import CacheOptions, make_cache
@@ -34,8 +35,8 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_match_transformers(tmp_path, name):
-    d = write_tiny_model(tmp_path / name, CASES[name], seed=hash(name) % 1000)
-    ids = np.random.default_rng().integers(0, 320, 40)
+    d = write_tiny_model(tmp_path / name, CASES[name], seed=int(seeded_rng().integers(1 << 31)))
+    ids = seeded_rng().integers(0, 320, 40)
     want = hf_logits(hf_model(d), ids)
     m, cache = _ours(d)
     got = m.forward(ids, cache, all_logits=True)
@@ -51,7 +52,7 @@ def test_half_precision_checkpoints(tmp_path, dtype):
     d = write_tiny_model(tmp_path / dtype, cfg)
     w = {k: torch.from_numpy(v).to(getattr(torch, dtype)) for k, v in random_weights(cfg, 5).items()}
     save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
-    ids = np.random.default_rng().integers(0, 320, 20)
+    ids = seeded_rng().integers(0, 320, 20)
     want = hf_logits(hf_model(d), ids)
     m, cache = _ours(d)
     assert rel_err(m.forward(ids, cache, all_logits=True), want) < 1e-5
@@ -60,7 +61,7 @@ def test_half_precision_checkpoints(tmp_path, dtype):
 def test_decode_one_token_at_a_time_equals_prefill(tmp_path):
     d = write_tiny_model(tmp_path / "m", tiny_config(), seed=3)
     m, cache = _ours(d)
-    ids = np.random.default_rng().integers(0, 320, 30)
+    ids = seeded_rng().integers(0, 320, 30)
     full = m.forward(ids, cache, all_logits=True)
     cache.reset()
     m.forward(ids[:11], cache)

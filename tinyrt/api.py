@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -17,13 +18,13 @@ from tinyrt.errors import ModelFormatError, TinyrtError
 
 from .chat_template import template_from_config
 from .generate import Generation, Response
-from .kernels import get_backend
+from .kernels import get_backend, on_first_compile
 from .kv_cache import CacheOptions, make_cache
-from .models import load_model, trim_heap
+from .models import load_model, trim_heap, warm_up
 from .models.weights import FLOAT_TYPES
 from .paths import read_json
 from .sampling import (DEFAULT_MAX_TOKENS, Sampler, SamplingParams, SettingError, check_settings,
-                       check_value)
+                       check_value, unknown_option)
 from .speculative import MAX_GAMMA, SpeculativeGeneration, make_drafter
 from .tokenizer import load_tokenizer
 
@@ -36,6 +37,40 @@ Prompt = str | Sequence[dict]
 # refused), and MAX_TEXT_BYTES (some 300 MB to tokenize) for any cache.
 BYTES_PER_TOKEN = 64
 MAX_TEXT_BYTES = 1 << 20
+MAX_DRAFT_TOKENS = 32    # (--draft-tokens)
+
+
+def cpu_count() -> int:
+    """The CPUs this process may run on: as many threads as Numba's pool has (its default)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                   # (no affinity on macOS)
+        return os.cpu_count() or 1
+
+
+def check_runtime(threads: int | None = None, draft_tokens: int | None = None) -> None:
+    """A TinyrtError naming --threads or --draft-tokens where it is not a whole number in its
+    range (None: the default); `load` checks them before anything loads."""
+    for flag, value, high in (("--threads", threads, cpu_count()),
+                              ("--draft-tokens", draft_tokens, MAX_DRAFT_TOKENS)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                or not 1 <= value <= high:
+            where = " (the CPUs this process may use)" if flag == "--threads" else ""
+            raise TinyrtError(f"{flag} must be a whole number from 1 to {high}{where}, "
+                              f"got {value!r:.40}")
+
+
+def _cache_options(cache: CacheOptions | None = None, **fields) -> CacheOptions:
+    """KV cache options: `cache` (default: the defaults) with `fields` replaced, checked
+    (CacheOptions); a TinyrtError naming a field it does not have, and the closest it does."""
+    try:
+        return dataclasses.replace(cache or CacheOptions(), **fields)
+    except TypeError:
+        known = CacheOptions.__dataclass_fields__
+        raise TinyrtError(unknown_option(next(k for k in fields if k not in known),
+                                         list(known))) from None
 
 
 def _generation_config(directory: Path) -> dict:
@@ -110,11 +145,8 @@ class LLM:
                  draft: str | os.PathLike | None = None, draft_tokens: int = MAX_GAMMA,
                  cuda_graph: bool = True, **cache_fields):
         start = time.perf_counter()
-        try:
-            cache = dataclasses.replace(cache or CacheOptions(), **cache_fields)
-        except TypeError:
-            raise TinyrtError(f"unknown options: {', '.join(sorted(cache_fields))} (KV cache "
-                              f"options: {', '.join(CacheOptions.__dataclass_fields__)})") from None
+        check_runtime(threads, draft_tokens)
+        cache = _cache_options(cache, **cache_fields)
         self.directory = Path(directory)
         if dtype not in (None, *FLOAT_TYPES):
             raise TinyrtError(f"unknown weight type {dtype!r} (choose {' or '.join(FLOAT_TYPES)})")
@@ -133,19 +165,26 @@ class LLM:
         self.generation_config = _generation_config(self.directory)
         _check_token_ids(self.directory, largest, self.tokenizer, cfg, self.generation_config)
         if draft is not None:
-            if not 1 <= draft_tokens <= 32:
-                raise TinyrtError(f"--draft-tokens must be between 1 and 32, got {draft_tokens}")
             # the draft's own cache, if it needs one, of the target's size (not its context's)
             cache = dataclasses.replace(cache, slack=draft_tokens + 1, kv_size=cache.size_for(cfg),
                                         kv_mem=None)
         self.draft_tokens = draft_tokens
         self.cache_options = cache
         self.cache = make_cache(cache, self.model)
+        # the kernels compiled now, in load_s, not in a reply's timings; a streaming cache's
+        # evictions call kernels of their own: a small cache of its kind is run past its size
+        warm_up(self.model, self.cache)
+        if self.cache.streams:
+            small = dataclasses.replace(cache, kv_size=cache.sinks + 32, kv_mem=None,
+                                        recent=8 if cache.recent else None)
+            warm_up(self.model, make_cache(small, self.model), past=True)
         self._held: array | None = array("i")   # the token ids the cache holds (None: unknown)
         self._current: Generation | None = None  # the last `complete`'s reply
         self.drafter = None if draft is None else make_drafter(
             str(draft), self.model, self.tokenizer, self.cache,
             lambda model: make_cache(cache, model), load_model, load_tokenizer)
+        if getattr(self.drafter, "model", None) is not None:      # a draft model's kernels too
+            warm_up(self.drafter.model, self.drafter.cache)
         gen_eos = self.generation_config.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = {i for i in (*cfg.eos_token_ids, *gen_eos, self.tokenizer.eos_id)
@@ -252,21 +291,24 @@ class LLM:
         self.reset()
         yield from self.generation(ids, **options)
 
-    def generation(self, ids: Sequence[int], *, max_tokens: int = DEFAULT_MAX_TOKENS,
+    def generation(self, ids: Sequence[int], *, max_tokens: int | None = None,
                    temperature: float | None = None, top_k: int | None = None,
                    top_p: float | None = None, min_p: float | None = None,
                    repeat_penalty: float | None = None, presence_penalty: float | None = None,
                    frequency_penalty: float | None = None, seed: int | None = None,
-                   stop: Sequence[str] = (), ignore_eos: bool = False) -> Generation:
-        """A reply to prompt token `ids` appended to what the cache holds. Sampling options left
-        None take the model's generation_config.json or the sampler's defaults
-        (sampling.SamplingParams); `ignore_eos` goes on past end-of-sequence tokens (to
-        max_tokens, or a full dense cache). Every option is checked (sampling.check_settings)
-        before any work."""
+                   stop: Sequence[str] = (), ignore_eos: bool = False, **other) -> Generation:
+        """A reply to prompt token `ids` appended to what the cache holds, of at most
+        `max_tokens` (default DEFAULT_MAX_TOKENS). Sampling options left None take the model's
+        generation_config.json or the sampler's defaults (sampling.SamplingParams); `ignore_eos`
+        goes on past end-of-sequence tokens (to max_tokens, or a full dense cache). `other`:
+        other runtimes' names for these (sampling.ALIASES: temp, max_new_tokens, ...). Every
+        option is checked (sampling.check_settings) before any work; an unknown one is refused
+        naming the closest known."""
         opts = check_settings(dict(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             min_p=min_p, repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos))
+            frequency_penalty=frequency_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            **other))
         ids = self.token_ids(ids)
         self._held = None                        # (`complete` knows what the cache holds)
         given = {k: v for k, v in opts.items()
@@ -350,6 +392,12 @@ class LLM:
         return "".join(r.text for r in self.stream(prompt, **options))
 
 
+def _compiling_notice() -> None:
+    # the first run on a machine waits for Numba (README: 18 s on 2 cores): say why, once
+    print("note: compiling kernels, once on this machine (~20 s); later runs read them from "
+          "Numba's cache", file=sys.stderr, flush=True)
+
+
 def load(model: str | os.PathLike | None = None, *, device: str = "auto",
          threads: int | None = None, dtype: str | None = None,
          draft: str | os.PathLike | None = None,
@@ -369,10 +417,15 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto",
     from .registry import resolve            # (it imports the converter only to convert)
 
     start = time.perf_counter()
+    # the options first: a mistake is said before a model is fetched or read
+    check_runtime(threads, draft_tokens)
+    cache = _cache_options(cache, **cache_fields)
     if draft is not None and str(draft) != "lookup" and not str(draft).startswith("layers:"):
         draft = resolve(draft, quiet=quiet)
-    llm = LLM(resolve(model, quiet=quiet), device=device, threads=threads, dtype=dtype, cache=cache,
-              draft=draft, draft_tokens=draft_tokens, cuda_graph=cuda_graph, **cache_fields)
+    path = resolve(model, quiet=quiet)
+    with contextlib.nullcontext() if quiet else on_first_compile(_compiling_notice):
+        llm = LLM(path, device=device, threads=threads, dtype=dtype, cache=cache, draft=draft,
+                  draft_tokens=draft_tokens, cuda_graph=cuda_graph)
     fallbacks = llm.model.weights.float_fallbacks()
     if fallbacks and not quiet and dtype is None:
         types = ", ".join(sorted(set(fallbacks.values())))

@@ -63,7 +63,10 @@ def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int):
     results = []
     for _ in range(runs):
         llm.reset()
-        g = llm.generation(ids, max_tokens=decode_tokens + 1, temperature=0, ignore_eos=True)
+        # greedy and no penalty (whatever the model's generation_config.json asks): the plain
+        # decode step, the same tokens every run
+        g = llm.generation(ids, max_tokens=decode_tokens + 1, temperature=0, repeat_penalty=1.0,
+                           ignore_eos=True)
         for _ in g:
             pass
         t = g.timings

@@ -1,8 +1,8 @@
-"""The one error type that reaches users.
+"""The one error type that reaches users, and the "did you mean" its messages offer.
 
-A leaf module with no imports, so that every layer (models, converters, engine, front ends) can raise
-it without an arrow pointing back up. Front ends print `str(err)` as one line and exit non-zero; any
-other exception is a bug.
+A leaf module (nothing of the package imported), so that every layer (models, converters, engine,
+front ends) can raise it without an arrow pointing back up. Front ends print `str(err)` as one line
+and exit non-zero; any other exception is a bug.
 """
 
 
@@ -16,3 +16,12 @@ class ModelFormatError(TinyrtError):
 
 class CacheFullError(TinyrtError):
     """The KV cache cannot take the tokens asked of it under its policy."""
+
+
+def closest(name: str, known) -> str | None:
+    """The one of `known` names that `name` most likely misspells, if any is close (difflib's
+    similarity of at least 0.6): for "did you mean" (options, commands, settings, model names)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return close[0] if close else None

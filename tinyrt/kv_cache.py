@@ -55,6 +55,9 @@ DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
 DEFAULT_GROUPS = {"q8": 64, "q4": 64, "q2": 32}
 DEFAULT_RESIDUAL = 128
 MAX_GROUP = 256          # a block of decode attention's slots (kernels.cpu.ATTENTION_BLOCK)
+# The most tokens a cache may hold (--kv-size, and --sinks and --recent within it): 16M, past
+# any model's context; a larger number is a mistake, said before anything loads
+MAX_SIZE = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,17 +96,35 @@ class CacheOptions:
                 raise TinyrtError(f"the KV cache's memory must be bytes or a size such as 512MB, "
                                   f"not {self.kv_mem!r}")
             object.__setattr__(self, "kv_mem", parse_size(self.kv_mem))
-        for name in ("kv_group", "kv_residual"):
+        # whole numbers in their ranges (None: the default, where there is one)
+        for name, low, high, optional in (
+                ("kv_size", 1, MAX_SIZE, True), ("sinks", 0, MAX_SIZE, False),
+                ("recent", 1, MAX_SIZE, True), ("slack", 0, MAX_SIZE, False),
+                ("kv_group", 1, MAX_GROUP, True), ("kv_residual", 0, 1 << 16, False)):
             value = getattr(self, name)
-            if value is None and name == "kv_group":
+            if value is None and optional:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 16:
-                raise TinyrtError(f"--{name.replace('_', '-')} must be a whole number from 0 to "
-                                  f"65536, not {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                    or not low <= value <= high:
+                raise TinyrtError(f"--{name.replace('_', '-')} must be a whole number from {low} "
+                                  f"to {high:,}, not {value!r:.40}")
+            object.__setattr__(self, name, int(value))
+        if self.kv_policy != "dense" and self.kv_size is not None:
+            self.check_size(self.kv_size, self.recent if self.kv_policy == "h2o" else None)
         group = self.group
         if not 1 <= group <= MAX_GROUP or group & (group - 1):
             raise TinyrtError(f"--kv-group must be a power of two from 1 to {MAX_GROUP}, "
                               f"not {group}")
+
+    def check_size(self, size: int, recent: int | None = None) -> None:
+        """A CacheFullError where the sinks (sink and h2o), or h2o's `recent` tokens, leave no
+        room in a cache of `size` tokens."""
+        if not self.sinks < size:
+            raise CacheFullError(f"--sinks {self.sinks} must be at least 0 and below the KV cache "
+                                 f"size {size}")
+        if recent is not None and not 1 <= recent <= size - self.sinks:
+            raise CacheFullError(f"--recent {recent} must be at least 1 and at most the KV cache "
+                                 f"size less the sinks ({size - self.sinks})")
 
     @property
     def group(self) -> int:
@@ -173,6 +194,9 @@ class CacheOptions:
                     f"{self.token_bytes(config):,} bytes in a {self.kv_type} cache"
                     + (f", after {self.fixed_bytes(config):,} bytes of float residual"
                        if self.bits else ""))
+            if size > MAX_SIZE:
+                raise CacheFullError(f"--kv-mem {self.kv_mem:,} bytes holds {size:,} tokens, more "
+                                     f"than a KV cache may ({MAX_SIZE:,}): give less")
             return size
         return min(config.max_position_embeddings, DEFAULT_SIZE)
 
@@ -367,9 +391,7 @@ class SinkCache(KVCache):
                  options: CacheOptions | None = None):
         options = options or CacheOptions()
         n_sink, slack = options.sinks, options.slack
-        if not 0 <= n_sink < capacity:
-            raise CacheFullError(f"--sinks {n_sink} must be at least 0 and below the KV cache "
-                                 f"size {capacity}")
+        options.check_size(capacity)
         super().__init__(layout, capacity + slack, backend, options)
         self.size = capacity         # the sinks and the window; slack slots come on top
         self.n_sink = n_sink
@@ -530,9 +552,7 @@ class H2OCache(SinkCache):
         # tokens measure best (PPL 23.4 to 23.25), better than H2O's even split (25.6); through
         # 64 slots, half (30 recent tokens: 50.1; 7: 72.6) (`tinyrt ppl --stream --recent`)
         self.recent = min(64, max(1, self.window // 2)) if recent is None else recent
-        if not 1 <= self.recent <= self.window:
-            raise CacheFullError(f"--recent {self.recent} must be at least 1 and at most the "
-                                 f"KV cache size less the sinks ({self.window})")
+        options.check_size(capacity, self.recent)
         self.slot_pos = np.full((n_layers, kv_heads, capacity + spare), -1, dtype=np.int64)
         self.score = np.zeros((n_layers, kv_heads, capacity + spare), np.float32)
         self._filling = np.full((n_layers, kv_heads), -1, np.int64)  # the block new tokens fill

@@ -7,19 +7,90 @@ import sys
 
 from tinyrt.errors import TinyrtError
 
-from . import bench, chat, convert, generate, info, ppl, pull, serve
+from . import bench, chat, convert, generate, info, listing, ppl, pull, rm, serve
 
 COMMANDS = {"pull": pull, "convert": convert, "generate": generate, "chat": chat, "ppl": ppl, "bench": bench, "info": info,
-            "serve": serve}
+            "serve": serve, "list": listing, "rm": rm}
 
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser with its errors in one line, as every error of tinyrt (not the usage
-    first); the commands' parsers are of this class too (add_subparsers makes its own kind)."""
+    first), a misspelled option or command named first with the closest one; the commands'
+    parsers are of this class too (add_subparsers makes its own kind), and take their
+    positionals among their options (`generate MODEL --temperature 0 PROMPT`)."""
+
+    _commands = None          # the top parser's subparsers action (None: a command's parser)
+    _given: list = []         # the arguments being parsed, for `error`
+    _intermixing = False
+
+    def add_subparsers(self, **kwargs):
+        self._commands = super().add_subparsers(**kwargs)
+        return self._commands
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._intermixing:     # (parse_known_intermixed_args's own two passes)
+            return super().parse_known_args(args, namespace)
+        self._given = sys.argv[1:] if args is None else list(args)
+        if self._commands is not None:
+            return super().parse_known_args(self._given, namespace)
+        # a command's parser. argparse's plain parse of `generate MODEL --temperature 0 PROMPT`
+        # takes MODEL as PROMPT (an optional positional before a required one matches nothing
+        # when options follow) and leaves PROMPT over; the intermixed parse takes every
+        # positional wherever it is. (Not with "--", which it loses where no positional comes
+        # before it, 3.10 to 3.13: `generate -n 5 -- -PROMPT`)
+        if "--" in self._given:
+            namespace, extras = super().parse_known_args(self._given, namespace)
+        else:
+            self._intermixing = True
+            try:
+                namespace, extras = self.parse_known_intermixed_args(self._given, namespace)
+            finally:
+                self._intermixing = False
+        if extras:                # (nothing after a command's parser could take them)
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
     def error(self, message: str):
-        message = " ".join(message.split())
-        self.exit(2, f"tinyrt: error: {message} (see {self.prog} --help)\n")
+        # what argparse reports is what it met first; an option or command misspelled is more
+        # often the cause (its value then taken as PROMPT, a required option missing): said first
+        message, see = self._misspelled() or (" ".join(message.split()), True)
+        self.exit(2, f"tinyrt: error: {message}" + (f" (see {self.prog} --help)" if see else "")
+                  + "\n")
+
+    def _misspelled(self) -> tuple[str, bool] | None:
+        """The first option (or, on the top parser, command) given that this parser does not
+        know: its message, and whether to point to --help (not where it names the likely one)."""
+        from tinyrt.errors import closest
+
+        known = self._option_string_actions
+        for arg in self._given:
+            if arg == "--":                         # (what follows is positional)
+                return None
+            if not arg.startswith("-") or arg == "-":
+                if self._commands is None:
+                    continue
+                if arg in self._commands.choices:     # the command's own parser checks the rest
+                    return None
+                close = closest(arg, self._commands.choices)
+                return (f"unknown command {arg}" + (f" (did you mean {close}?)" if close else ""),
+                        not close)
+            name = arg.split("=", 1)[0]
+            # (argparse takes negative numbers and text with spaces as values, an option's
+            # unique prefix as the option, and -n5 as -n 5; an ambiguous prefix it reports)
+            if self._negative_number_matcher.match(arg) or " " in arg or name in known:
+                continue
+            if name.startswith("--") and any(k.startswith(name) for k in known) or \
+                    not name.startswith("--") and arg[:2] in known:
+                continue
+            close = closest(name, known)
+            if close:
+                return f"unknown option {name} (did you mean {close}?)", False
+            if self._commands is not None and any(
+                    name in p._option_string_actions for p in self._commands.choices.values()):
+                return f"unknown option {name} (options go after the command: tinyrt COMMAND " \
+                       f"{name} ...)", False
+            return f"unknown option {name}", True
+        return None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add_draft_options, add_runtime_options, number
+from .options import (add_draft_options, add_model_option, add_runtime_options, load_llm,
+                      load_options, number)
 
 
 def add_parser(sub) -> None:
@@ -13,9 +14,7 @@ def add_parser(sub) -> None:
                        description="Load time, TTFT and prefill tok/s of a prompt, decode tok/s "
                                    "(median of --runs), peak RSS, weight bytes per decoded token "
                                    "and the GB/s it makes.")
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="model directory, GGUF file, HF directory or known name (default: the "
-                        "default model)")
+    add_model_option(p, positional=True)
     # (read leniently, checked by bench.check_args before the model loads)
     p.add_argument("--prompt-tokens", type=number, default=512)
     p.add_argument("--decode-tokens", type=number, default=128)
@@ -26,15 +25,14 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import tinyrt
     from tinyrt import bench
     from tinyrt.errors import TinyrtError
+    from tinyrt.kv_cache import CacheOptions
 
+    # all before the model loads; the cache holds the prompt and the decoded tokens
     bench.check_args(args.prompt_tokens, args.decode_tokens, args.runs, flags=True)
-    llm = tinyrt.load(args.model, device=args.device, threads=args.threads, dtype=args.dtype,
-                      cuda_graph=args.cuda_graph, draft=args.draft,
-                      draft_tokens=args.draft_tokens,
-                      kv_size=args.prompt_tokens + args.decode_tokens)
+    llm = load_llm(args, load_options(
+        args, cache=CacheOptions(kv_size=args.prompt_tokens + args.decode_tokens)))
     try:
         r = bench.run(llm, args.prompt_tokens, args.decode_tokens, args.runs)
     except ValueError as e:

@@ -1,29 +1,43 @@
 """`tinyrt chat`: an interactive conversation in the terminal (prompt_toolkit for the input, rich
-for the output), or, with stdin not a terminal, one turn per input line, replies printed plainly.
+for the output: replies rendered as markdown as they stream), or, with stdin not a terminal, one
+turn per input line. With stdout not a terminal, replies are written as plain text, as generated.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 import threading
+import time
 
 from tinyrt.errors import CacheFullError, TinyrtError
-from tinyrt.sampling import is_text
+from tinyrt.sampling import DEFAULT_MAX_TOKENS, SamplingParams, is_text
 
 from .options import (add_generation_options, add_model_option, decode_text, generation_kwargs,
                       load_llm, number, speculative_line)
 
 MAX_LINE_BYTES = 1 << 20     # a piped input line (a turn, or a command); a longer one is skipped
+# A streaming reply is drawn again at most this often: each drawing lays out the reply's last,
+# unfinished block, and the tokens that come in between are drawn together
+RENDER_INTERVAL = 1 / 15
+# The settings /set shows and changes, and the other names it takes for them
+SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "seed",
+            "stop")
+ALIASES = {"temp": "temperature", "n": "max_tokens"}
 
 HELP = """\
 /help              this list
 /reset             forget the conversation (keeps the system message and settings)
 /system TEXT       set the system message (no TEXT: remove it)
-/temp X            sampling temperature (0 = greedy)
-/top-p X           nucleus sampling threshold (1 = off)
-/max-tokens N      longest reply
+/set               the generation settings in effect
+/set NAME VALUE    change one: temperature (temp), top_k, top_p, min_p, repeat_penalty,
+                   max_tokens, seed (-1: random), stop (the text to stop at);
+                   VALUE default: back to the default
+/temp X            the same as /set temperature X (0 = greedy)
+/top-p X           the same as /set top_p X
+/max-tokens N      the same as /set max_tokens N
 /stats             the last reply's timings and the KV cache
 /save FILE         write the conversation as JSON
 /load FILE         read a conversation written by /save
@@ -35,10 +49,15 @@ Ctrl-C stops a reply (what it said stays) or clears the line."""
 def add_parser(sub) -> None:
     p = sub.add_parser("chat", help="chat with a model",
                        description="Chat with a model. In a terminal: line editing, history, "
-                                   "/help for commands, Ctrl-C stops a reply, Ctrl-D quits. With "
-                                   "stdin not a terminal: one user turn per line.")
+                                   "replies rendered as markdown, /help for commands, Ctrl-C "
+                                   "stops a reply, Ctrl-D quits. With stdin not a terminal: one "
+                                   "user turn per line. With stdout not a terminal: replies as "
+                                   "plain text.")
     add_model_option(p, positional=True)
     add_generation_options(p)
+    p.add_argument("--plain", "--no-markdown", dest="markdown", action="store_false",
+                   help="in a terminal, print replies as plain text (word-wrapped) instead of "
+                        "rendering their markdown")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,14 +69,20 @@ def main(args: argparse.Namespace) -> int:
     if sys.stdin is None:                        # (stdin closed: nothing to read)
         return 0
     if sys.stdin.isatty() and sys.stdout.isatty():
-        return Terminal(session).run()
-    return piped(session)
+        return Terminal(session, markdown=args.markdown).run()
+    return piped(session, markdown=args.markdown)
 
 
-def piped(session) -> int:
-    """One turn per input line (slash commands too), replies printed as they stream. A line
-    that is not UTF-8, or over MAX_LINE_BYTES, is skipped with a note."""
-    out = Printer(None)
+def piped(session, markdown: bool = True) -> int:
+    """One turn per input line (slash commands too), replies printed as they stream (rendered
+    where stdout is a terminal, else plain text as generated). A line that is not UTF-8, or over
+    MAX_LINE_BYTES, is skipped with a note."""
+    if sys.stdout.isatty():
+        from rich.console import Console
+
+        out = Printer(Console(), markdown=markdown)
+    else:
+        out = Printer(None)
     for n, raw in enumerate(input_lines(sys.stdin.buffer), 1):
         try:
             if raw is None:
@@ -84,23 +109,158 @@ def input_lines(stream, limit: int = MAX_LINE_BYTES):
 
 
 class Printer:
-    """Where replies and notes go: a rich console, or plain stdout/stderr."""
+    """Where replies and notes go. With a rich `console` (a terminal) a reply is rendered as it
+    streams (`LiveReply`: markdown, or with `markdown` false plain text, word-wrapped); without
+    one it goes to stdout as plain text, exactly as generated (scripts read it). Notes go to
+    `notes` (a console: dim), else to stderr."""
 
-    def __init__(self, console):
-        self.console = console
+    def __init__(self, console=None, *, markdown: bool = True, notes=None,
+                 interval: float = RENDER_INTERVAL):
+        self.console, self.markdown, self.notes, self.interval = console, markdown, notes, interval
 
-    def text(self, s: str) -> None:
+    def reply(self):
+        """A reply's output: `write(text)` for each piece, `close(ended)` at the end."""
         if self.console is None:
-            sys.stdout.write(s)
-            sys.stdout.flush()
-        else:
-            self.console.print(s, end="", markup=False, highlight=False, soft_wrap=True)
+            return PlainReply()
+        return LiveReply(self.console, markdown=self.markdown, interval=self.interval)
 
     def note(self, s: str) -> None:
-        if self.console is None:
+        if self.notes is None:
             print(s, file=sys.stderr, flush=True)
         else:
-            self.console.print(s, style="dim", markup=False, highlight=False)
+            self.notes.print(s, style="dim", markup=False, highlight=False)
+
+
+class PlainReply:
+    """A reply written to stdout as generated, then a line end (not after an error: its note
+    follows on stderr)."""
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def close(self, ended: bool = True) -> None:
+        if ended:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+class LiveReply:
+    """A reply drawn on a rich console as it streams, word-wrapped at the console's width: as
+    markdown (headings, emphasis, lists, highlighted code blocks), or as plain text.
+
+    Only the reply's last block (markdown) or line (plain text) is live, drawn again in a rich
+    Live region as tokens come, at most once per `interval`; once a block is complete (what
+    follows cannot change how it looks) it is printed above the live region, once, and never laid
+    out again. So a drawing costs the size of one block, not of the reply, and the screen does
+    not flicker. When the reply ends (or is stopped) its last block stays where it was drawn."""
+
+    def __init__(self, console, *, markdown: bool = True, interval: float = RENDER_INTERVAL):
+        from rich.live import Live
+
+        self.console, self.markdown, self.interval = console, markdown, interval
+        self.pending: list[str] = []         # text not drawn yet
+        self.tail = ""                       # text drawn in the live region
+        self.drawn_at = -float("inf")
+        # (no refresh thread: the live region is drawn here, from the tokens' loop)
+        self.live = Live(console=console, auto_refresh=False, vertical_overflow="visible")
+
+    def write(self, text: str) -> None:
+        self.live.start()                    # (at the first text: an error before has the line)
+        self.pending.append(text)
+        now = time.monotonic()
+        if now - self.drawn_at >= self.interval:
+            self.drawn_at = now
+            self._draw()
+
+    def close(self, ended: bool = True) -> None:
+        """Draw the rest and leave it on the screen (the reply's line ended)."""
+        if not self.live.is_started:
+            return
+        try:
+            self._draw()
+            # the whole last block this time, however tall (Live's last drawing scrolls)
+            self.live.update(Lines(self._render(self.tail)), refresh=False)
+        finally:
+            self.live.stop()
+
+    def _draw(self) -> None:
+        self.tail += "".join(self.pending)
+        self.pending.clear()
+        cut = complete_blocks(self.tail) if self.markdown else self.tail.rfind("\n") + 1
+        done, self.tail = self.tail[:cut], self.tail[cut:]
+        # the live region's new content first, so that printing above it draws it once
+        self.live.update(Lines(self._render(self.tail), fit=True), refresh=not done)
+        if done:
+            if self.markdown:
+                from rich.console import Group
+                from rich.text import Text
+
+                # the blank line that separates blocks in a markdown rendering of the whole
+                self.console.print(Group(Lines(self._render(done)), Text()))
+            else:
+                self.console.print(self._render(done[:-1]))   # (print ends the line)
+
+    def _render(self, text: str):
+        from rich.markdown import Markdown
+        from rich.text import Text
+
+        return Markdown(text) if self.markdown else Text(text)
+
+
+class Lines:
+    """A rendering of a part of a reply: of markdown, without the blank lines it starts with
+    (rich starts a rendering that opens with a list so, and the parts are separated here), and
+    with `fit` only the last lines that fit the console, less one: a live region taller than
+    the screen cannot be drawn again in place (its top has scrolled off), so while a long block
+    streams its end shows; it is printed whole once complete."""
+
+    def __init__(self, renderable, fit: bool = False):
+        self.renderable, self.fit = renderable, fit
+
+    def __rich_console__(self, console, options):
+        from rich.markdown import Markdown
+        from rich.segment import Segment
+
+        lines = console.render_lines(self.renderable, options, pad=False, new_lines=False)
+        if isinstance(self.renderable, Markdown):
+            while lines and all(not s.text.strip() and not (s.style and s.style.bgcolor)
+                                for s in lines[0]):     # (a code block's margin has colour)
+                lines.pop(0)
+        if self.fit:
+            lines = lines[-max(1, options.size.height - 1):]
+        for line in lines:
+            yield from line
+            yield Segment.line()
+
+
+# a code fence's opening or closing line: ``` or ~~~ (an info string after ``` has no `)
+FENCE = re.compile(r"\s*(`{3,}(?!.*`)|~{3,})")
+
+
+def complete_blocks(text: str) -> int:
+    """How much of markdown `text` is complete top-level blocks, which the text that follows
+    cannot change: up to the start of the last line that begins a new block (a line that starts
+    at the margin after a blank line or after a code block, or that opens a code block), outside
+    code blocks. 0 where no block is complete yet."""
+    cut, pos, fence, new_block = 0, 0, None, False
+    lines = text.split("\n")                # (the last one unfinished, perhaps empty)
+    for i, line in enumerate(lines):
+        complete = i < len(lines) - 1
+        if fence is not None:                # inside a code block, until its closing fence
+            mark = line.strip()
+            if complete and mark.startswith(fence) and mark == mark[0] * len(mark):
+                fence, new_block = None, True
+        else:
+            opening = FENCE.match(line) if complete else None
+            at_margin = line[:1] not in ("", " ", "\t")
+            if pos and at_margin and (new_block or opening):
+                cut = pos
+            if opening:
+                fence = opening.group(1)
+            new_block = not line.strip()
+        pos += len(line) + 1
+    return cut
 
 
 def command(session, line: str, out: Printer, stop: threading.Event | None = None) -> bool:
@@ -124,10 +284,11 @@ def command(session, line: str, out: Printer, stop: threading.Event | None = Non
         elif name == "/system":
             session.set_system(arg or None)
             out.note("system message set" if arg else "system message removed")
+        elif name == "/set":
+            out.note(set_command(session, arg))
         elif name in ("/temp", "/top-p", "/max-tokens"):
             key = {"/temp": "temperature", "/top-p": "top_p", "/max-tokens": "max_tokens"}[name]
-            session.configure(**{key: number(arg)})        # (checked as every front end's)
-            out.note(f"{key} = {session.settings[key]}")
+            out.note(set_command(session, f"{key} {arg}"))
         elif name == "/stats":
             out.note(stats(session))
         elif name == "/save":
@@ -144,24 +305,81 @@ def command(session, line: str, out: Printer, stop: threading.Event | None = Non
     return True
 
 
+def set_command(session, arg: str) -> str:
+    """/set: the settings in effect; /set NAME VALUE: change one (VALUE `default`: back to the
+    default). A bad name or value is a TinyrtError, and nothing changes."""
+    if not arg:
+        return settings_table(session)
+    name, _, value = arg.partition(" ")
+    value = value.strip()
+    key = name.lower().lstrip("-").replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in SETTINGS:
+        raise TinyrtError(f"unknown setting {name!r} (the settings: {', '.join(SETTINGS)})")
+    if not value:
+        raise TinyrtError(f"/set {key} needs a value (default: back to the default)")
+    if value == "default":
+        given = None
+    else:
+        given = value if key == "stop" else number(value)
+    session.configure(**{key: given})        # (checked as every front end's options are)
+    shown, source = effective(session)[key]
+    return f"{key} = {shown}" + (f" ({source})" if source else "")
+
+
+def effective(session) -> dict[str, tuple[str, str]]:
+    """Each of SETTINGS as the next turn runs on it, as text, and where it comes from when the
+    session does not set it: the model's generation_config.json or tinyrt's default. The
+    sampler's values are made as LLM.generation makes them: the session's over the model's
+    over SamplingParams' own."""
+    settings, model = session.settings, session.llm.sampling_defaults()
+    given = {k: v for k, v in settings.items()
+             if k in SamplingParams.__dataclass_fields__ and v is not None}
+    params = SamplingParams(**{**model, **given})
+    out = {}
+    for key in SETTINGS:
+        value = settings.get(key)
+        if key == "stop":                    # (the chat template's own stops are not shown)
+            out[key] = (", ".join(map(repr, value)) if value else "none", "")
+        elif key == "max_tokens":
+            out[key] = (str(value or DEFAULT_MAX_TOKENS), "" if value else "default")
+        elif key == "seed":
+            out[key] = ("random" if value is None else str(value), "")
+        else:
+            source = ("" if key in given else "the model's generation_config" if key in model
+                      else "default")
+            out[key] = (str(getattr(params, key)), source)
+    return out
+
+
+def settings_table(session) -> str:
+    rows = effective(session)
+    width = max(len(shown) for shown, _ in rows.values())
+    return "\n".join(f"{key:<15} {shown:<{width}}  {source}".rstrip()
+                     for key, (shown, source) in rows.items())
+
+
 def reply(session, text: str, out: Printer, stop: threading.Event | None) -> None:
     """Stream the reply to `text`, ending early when `stop` is set (by Ctrl-C)."""
     gen = session.send(text)
+    shown, error, ended = out.reply(), None, False
     try:
         for r in gen:
-            out.text(r.text)
+            shown.write(r.text)
             if stop is not None and stop.is_set():
                 break
+        ended = True
     except CacheFullError as e:
-        out.note(f"{e}.\nThe conversation is too long for this KV cache: /reset to start over, "
+        error = (f"{e}.\nThe conversation is too long for this KV cache: /reset to start over, "
                  "or restart with --kv-policy sink (or h2o) to chat past the cache size.")
-        return
     except TinyrtError as e:
-        out.note(f"error: {e}")
-        return
+        error = f"error: {e}"
     finally:
         gen.close()
-    out.text("\n")
+        shown.close(ended)                   # (before a note: below the reply)
+    if error is not None:
+        out.note(error)
+        return
     cache = session.llm.cache
     if session.last is not None:
         out.note(status_line(session))
@@ -193,11 +411,12 @@ def stats(session) -> str:
 class Terminal:
     """The interactive chat: prompt_toolkit reads a turn, rich prints the reply as it streams."""
 
-    def __init__(self, session):
+    def __init__(self, session, *, markdown: bool = True):
         from rich.console import Console
 
         self.session = session
-        self.out = Printer(Console())
+        console = Console()
+        self.out = Printer(console, markdown=markdown, notes=console)
 
     def _prompt_session(self):
         from platformdirs import user_data_path

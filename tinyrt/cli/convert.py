@@ -13,7 +13,8 @@ from tinyrt.converters import calibration
 
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert a GGUF file or HF directory",
-                       description="Convert SRC (GGUF file or HF directory) into the model "
+                       description="Convert SRC (a GGUF file, an HF directory, or any MODEL: a "
+                                   "known name, a Hugging Face id) into the model "
                                    "directory OUT: 4-bit AWQ by default, or round-to-nearest "
                                    "(rtn), or float weights (none).")
     p.add_argument("src", metavar="SRC")
@@ -74,13 +75,23 @@ def main(args: argparse.Namespace) -> int:
     from tinyrt.converters.conversion import bits_per_weight
     from tinyrt.memory import parse_size
 
+    from tinyrt.converters.writer import check_output
+    from tinyrt.paths import user_path
+    from tinyrt.registry import NotFetched, resolve
+
     shard_bytes = parse_size(args.max_shard_size)
+    try:
+        src = resolve(args.src, what="SRC", download=False)
+    except NotFetched:
+        # a known name or a Hugging Face id to fetch first: OUT is checked before the download
+        check_output(user_path(args.out, "OUT"), args.force)
+        src = resolve(args.src, what="SRC")
 
     what = "layers" if args.method != "none" else "tensors"
-    progress = ConvertProgress(f"{args.method} {Path(args.src).name} ({what})")
+    progress = ConvertProgress(f"{args.method} {src.name} ({what})")
     start = time.perf_counter()
     try:
-        out = convert(args.src, args.out, method=args.method, dtype=args.dtype, bits=args.w_bit,
+        out = convert(src, args.out, method=args.method, dtype=args.dtype, bits=args.w_bit,
                       group_size=args.group_size, calib=args.calib,
                       calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
                       clip=not args.no_clip, seed=args.seed, force=args.force,

@@ -9,13 +9,14 @@ import sys
 from tinyrt.errors import TinyrtError
 
 from .options import (add_generation_options, add_model_option, generation_kwargs, load_llm,
-                      read_stdin, speculative_line, text_arg)
+                      load_options, read_stdin, speculative_line, text_arg)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a reply to one prompt",
-                       description="Stream a reply to PROMPT ('-' reads it from stdin).")
-    add_model_option(p)
+                       description="Stream a reply to PROMPT ('-' reads it from stdin) from "
+                                   "MODEL (or -m MODEL; default: the default model).")
+    add_model_option(p, positional=True)
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--stats", action="store_true", help="print timings to stderr")
@@ -28,13 +29,14 @@ def main(args: argparse.Namespace) -> int:
 
     # every input checked before the model loads
     options = generation_kwargs(args)
+    load = load_options(args)
     if args.prompt == "-":
         prompt = read_stdin("PROMPT", MAX_TEXT_BYTES)
     else:
         prompt = text_arg(args.prompt, "PROMPT")
     if not prompt:
         raise TinyrtError("PROMPT is empty")
-    llm = load_llm(args)
+    llm = load_llm(args, load)
     text, tokens, last = [], 0, None
     for r in llm.stream(prompt, raw=args.raw, **options):
         last = r

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tinyrt.errors import TinyrtError
+from .options import add_model_option, model_spec
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("info", help="describe a model",
-                       description="Describe MODEL (model directory, GGUF file, HF directory or "
-                                   "known name; default: the default model) without loading it.")
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL")
+                       description="Describe MODEL (model directory, GGUF file, HF directory, "
+                                   "known name or Hugging Face id; default: the default model) "
+                                   "without loading it or downloading it.")
+    add_model_option(p, positional=True)
 
 
 def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str, str]]]:
@@ -41,20 +42,13 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tinyrt.registry import ALIASES, KNOWN_MODELS, cache_dir, is_model_dir
+    from tinyrt.registry import NotFetched, resolve
 
-    spec = args.model
-    path = Path(spec).expanduser() if spec else None
-    if path is not None and path.is_dir() and not is_model_dir(path):
-        raise TinyrtError(f"{path} is not a model directory")
-    if path is None or not path.exists():
-        name = ALIASES.get(spec or "default", spec)
-        if name not in KNOWN_MODELS:
-            raise TinyrtError(f"model {spec!r} is neither a file, a directory nor a known name")
-        path = cache_dir() / "gguf" / Path(KNOWN_MODELS[name].member).name
-        if not path.is_file():
-            print(f"{name}: {KNOWN_MODELS[name].description}; not fetched yet (tinyrt pull {name})")
-            return 0
+    try:
+        path = resolve(model_spec(args), download=False)
+    except NotFetched as e:      # describing a model is no reason to download it
+        print(e)
+        return 0
     rows, cfg, kinds = _rows(path)
     table = Table(show_header=False, box=None)
     for k, v in rows:

@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from tinyrt.errors import TinyrtError
 from tinyrt.kernels import DEVICES
-from tinyrt.sampling import check_settings, is_text
+from tinyrt.sampling import (DEFAULT_REPEAT_PENALTY, SamplingParams, check_settings,
+                             is_text)
 
 
 def add_model_option(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
     """-m/--model, and with `positional` an optional MODEL argument meaning the same
-    (`model_spec` reads either)."""
+    (`model_spec` reads either; before a required positional, as generate's PROMPT, it is MODEL
+    where two are given)."""
     if positional:
-        p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m")
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as -m MODEL")
     p.add_argument("-m", "--model", default=None,
-                   help="model directory, GGUF file, HF directory or known name "
-                        "(default: the default model)")
+                   help="model directory, GGUF file, known name or Hugging Face id "
+                        "(org/name[:QUANT]) (default: the default model)")
 
 
 def model_spec(args: argparse.Namespace):
     """The MODEL given with -m or as the positional argument (None: the default model)."""
-    return args.model or getattr(args, "model_pos", None)
+    given = {m for m in (args.model, getattr(args, "model_pos", None)) if m is not None}
+    if len(given) > 1:
+        raise TinyrtError(f"two models given, {args.model_pos} and -m {args.model}: give one")
+    return given.pop() if given else None
 
 
 def number(text: str):
@@ -71,18 +77,26 @@ def read_stdin(name: str, limit: int) -> str:
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     # numbers are read leniently and checked, with the options of every front end, by
     # sampling.check_settings (generation_kwargs), before the model loads
-    g = p.add_argument_group("generation")
+    default = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    g = p.add_argument_group(
+        "generation", "Sampling defaults: the model's generation_config.json where it has one, "
+                      "else llama.cpp's sampling settings with ollama's repeat penalty (shown "
+                      "below).")
     g.add_argument("-n", "--max-tokens", type=number, default=512, help="most tokens to generate")
     g.add_argument("--ignore-eos", action="store_true",
                    help="go on past end-of-sequence tokens, to --max-tokens")
     g.add_argument("--temperature", type=number, default=None,
-                   help="0 = greedy (the default unless the model asks otherwise; below 1e-5 "
-                        "is 0)")
-    g.add_argument("--top-k", type=number, default=None, help="when sampling; 0 = off (default 40)")
-    g.add_argument("--top-p", type=number, default=None, help="when sampling; 1 = off (default 0.95)")
-    g.add_argument("--min-p", type=number, default=None, help="when sampling; 0 = off (default 0.05)")
+                   help=f"0 = greedy, the same reply every time (below 1e-5 is 0) "
+                        f"(default {default['temperature']})")
+    g.add_argument("--top-k", type=number, default=None,
+                   help=f"when sampling; 0 = off (default {default['top_k']})")
+    g.add_argument("--top-p", type=number, default=None,
+                   help=f"when sampling; 1 = off (default {default['top_p']})")
+    g.add_argument("--min-p", type=number, default=None,
+                   help=f"when sampling; 0 = off (default {default['min_p']})")
     g.add_argument("--repeat-penalty", type=number, default=None,
-                   help="0.01 to 100; 1 = off (default)")
+                   help=f"0.01 to 100; 1 = off (default {DEFAULT_REPEAT_PENALTY} when sampling, "
+                        f"1 with --temperature 0)")
     g.add_argument("--seed", type=number, default=None,
                    help="random seed for sampling, 0 to 2**64-1 (-1 = random, the default)")
     g.add_argument("--system", default=None, help="system message")
@@ -97,7 +111,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 def add_runtime_options(g) -> None:
     """Where and how the weights run: --device, --threads, --dtype."""
     g.add_argument("--device", choices=DEVICES, default="auto")
-    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None,
+                   help="threads of the CPU kernels, 1 to the CPUs this process may use (default: "
+                        "all of them)")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="on a GPU, run each decode step's kernels one by one instead of replaying "
                         "them as one CUDA graph (debugging)")
@@ -173,13 +189,25 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
     return dict(options, system=text_arg(args.system, "--system"))
 
 
-def load_llm(args: argparse.Namespace):
+def load_options(args: argparse.Namespace, cache=None) -> dict:
+    """Keyword arguments for `tinyrt.load` from parsed options, the model among them, checked
+    before the model loads (a TinyrtError naming the flag); `cache` (kv_cache.CacheOptions) in
+    place of the command's cache options (bench and ppl size their own)."""
+    from tinyrt.api import check_runtime
+
+    draft = dict(draft=args.draft, draft_tokens=args.draft_tokens) if hasattr(args, "draft") \
+        else {}                                   # (ppl has no draft options)
+    check_runtime(args.threads, draft.get("draft_tokens"))
+    return dict(model=model_spec(args), device=args.device, threads=args.threads,
+                dtype=args.dtype, cuda_graph=args.cuda_graph, cache=cache or cache_options(args),
+                **draft)
+
+
+def load_llm(args: argparse.Namespace, options: dict | None = None):
+    """The model the command names, loaded with `options` (default: `load_options(args)`)."""
     import tinyrt
 
-    return tinyrt.load(model_spec(args), device=args.device, threads=args.threads, dtype=args.dtype,
-                       cuda_graph=args.cuda_graph,
-                       draft=args.draft,
-                       draft_tokens=args.draft_tokens, cache=cache_options(args))
+    return tinyrt.load(**(options or load_options(args)))
 
 
 def speculative_line(t) -> str:

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from .options import (add_cache_options, add_model_option, add_runtime_options, cache_options,
-                      model_spec)
+                      load_llm, load_options)
 
 
 def add_parser(sub) -> None:
@@ -28,18 +28,20 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import tinyrt
+    from tinyrt.kv_cache import CacheOptions
     from tinyrt.paths import read_text, user_path
     from tinyrt.perplexity import check_options, perplexity, stream_perplexity
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    # all before the model loads: a mistake is reported at once
+    # all before the model loads: a mistake is reported at once. The model's own cache is of
+    # the element type asked for (the windows take its options); --stream's is its own
     check_options(args.ctx, args.max_windows, args.max_tokens)
+    stream_cache = cache_options(args)
+    load = load_options(args, cache=CacheOptions(kv_type=args.kv_type, kv_group=args.kv_group,
+                                                 kv_residual=args.kv_residual))
     text = read_text(user_path(args.text, "--text"), "--text")
-    llm = tinyrt.load(model_spec(args), device=args.device, threads=args.threads,
-                      dtype=args.dtype, cuda_graph=args.cuda_graph, kv_type=args.kv_type, kv_group=args.kv_group,
-                      kv_residual=args.kv_residual)
+    llm = load_llm(args, load)
     bar = Progress(TextColumn("ppl"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True)
     task = None
@@ -52,8 +54,7 @@ def main(args: argparse.Namespace) -> int:
 
     with bar:
         if args.stream:
-            options = cache_options(args)
-            result = stream_perplexity(llm, text, options,
+            result = stream_perplexity(llm, text, stream_cache,
                                        max_tokens=args.max_tokens, progress=progress)
         else:
             result = perplexity(llm, text, ctx=args.ctx, max_windows=args.max_windows,
@@ -62,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict()))
     elif args.stream:
         print(f"ppl {result.ppl:.4f} over {result.tokens} tokens streamed through a "
-              f"{args.kv_policy} cache of {options.size_for(llm.config)}, "
+              f"{args.kv_policy} cache of {stream_cache.size_for(llm.config)}, "
               f"{result.seconds:.1f} s")
     else:
         print(f"ppl {result.ppl:.4f} over {result.tokens} tokens ({result.windows} windows of "

@@ -11,7 +11,7 @@ import threading
 from tinyrt.errors import TinyrtError
 
 from .options import (add_cache_options, add_draft_options, add_model_option, add_runtime_options,
-                      load_llm, model_spec)
+                      load_llm, load_options)
 
 MAX_QUEUE = 64            # requests waiting for the engine
 MAX_BODY = 4 << 20        # bytes of a request body (a whole context of text is far less)
@@ -44,6 +44,14 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # every option checked before anything loads
+    if not 0 <= args.port <= 65535:
+        raise TinyrtError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 0:
+        raise TinyrtError(f"--max-queue must be 0 or more, got {args.max_queue}")
+    if args.max_body < 1:
+        raise TinyrtError(f"--max-body must be 1 or more, got {args.max_body}")
+    load = load_options(args)
     try:
         import uvicorn
 
@@ -53,13 +61,9 @@ def main(args: argparse.Namespace) -> int:
             from None
     from tinyrt.registry import DEFAULT_MODEL
 
-    if not 0 <= args.port <= 65535:
-        raise TinyrtError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_queue < 0 or args.max_body < 1:
-        raise TinyrtError("--max-queue must be >= 0 and --max-body >= 1")
     api_key = args.api_key or os.environ.get("TINYRT_API_KEY") or None
-    llm = load_llm(args)
-    name = args.alias or str(model_spec(args) or DEFAULT_MODEL)
+    llm = load_llm(args, load)
+    name = args.alias or str(load["model"] or DEFAULT_MODEL)
     server = Server(llm, name, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=3)

@@ -1,0 +1,67 @@
+"""`tinyrt rm`: remove models from tinyrt's cache (never the Hugging Face cache's files, nor
+anything tinyrt did not write)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tinyrt.errors import TinyrtError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("rm", help="remove cached models",
+                       description="Remove models from tinyrt's cache, by the names `tinyrt list` "
+                                   "shows (asks first). The Hugging Face cache is huggingface_hub's "
+                                   "to manage (`hf cache rm`).")
+    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("--all", action="store_true", help="everything in tinyrt's cache")
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask")
+
+
+def _confirm(question: str) -> bool:
+    print(question, end=" ", file=sys.stderr, flush=True)
+    try:
+        return input().strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
+
+
+def main(args: argparse.Namespace) -> int:
+    from tinyrt.cli.listing import size_text
+    from tinyrt.registry import ALIASES, cache_dir, hf_cached, remove_cached, tinyrt_cached
+
+    if args.all == bool(args.names):
+        raise TinyrtError("name the models to remove, or --all (not both)")
+    cached = tinyrt_cached()
+    if args.all:
+        targets = cached
+    else:
+        targets = []
+        for name in args.names:
+            found = [m for m in cached if m.name == ALIASES.get(name, name)]
+            if not found:
+                if any(m.name == name for m in hf_cached()):
+                    raise TinyrtError(f"{name} is in the Hugging Face cache, not tinyrt's: "
+                                      f"`hf cache rm` removes it")
+                have = ", ".join(m.name for m in cached) or "nothing"
+                raise TinyrtError(f"{name!r} is not in tinyrt's cache ({cache_dir()} holds "
+                                  f"{have}; see `tinyrt list`)")
+            targets += [m for m in found if m not in targets]
+    if not targets:
+        print(f"nothing to remove: tinyrt's cache ({cache_dir()}) holds no models", file=sys.stderr)
+        return 0
+    total = sum(m.size for m in targets)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise TinyrtError("not removing without confirmation: stdin is not a terminal "
+                              "(add -y)")
+        for m in targets:
+            print(f"  {m.name}  {size_text(m.size)}  {m.path}", file=sys.stderr)
+        if not _confirm(f"Remove {len(targets)} item(s), {size_text(total)}? [y/N]"):
+            print("nothing removed", file=sys.stderr)
+            return 0
+    for m in targets:
+        remove_cached(m)
+        print(f"removed {m.name} ({size_text(m.size)}): {m.path}")
+    return 0
