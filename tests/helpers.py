@@ -186,60 +186,61 @@ HOSTILE_SECONDS = 60          # a hang detector, not a speed check (the bar is 1
 HOSTILE_BYTES = 1 << 30       # peak resident memory a refusal may reach
 
 
+# The child's peak RSS comes from a small launcher between us and it. Linux records, as a process's
+# peak (ru_maxrss), the peak of the memory it leaves at exec too: a child vforked from a large
+# test process (one that has loaded real models) would report that process's peak. The launcher
+# is exec'd once, into a fresh small image, and its own child's peak is tinyrt's alone.
+_LAUNCHER = """
+import os, resource, subprocess, sys
+code = subprocess.run([sys.executable, "-m", "tinyrt", *sys.argv[2:]]).returncode
+with open(sys.argv[1], "w") as f:
+    f.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024))
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
 def run_tinyrt(*args, input: bytes | str | None = None, env: dict | None = None,
                cwd=None, timeout: float = HOSTILE_SECONDS):
     """`python -m tinyrt ARGS` in a subprocess (no stdin unless `input`): its CompletedProcess
-    (text decoded with errors replaced) with `peak_bytes`, the child's own peak RSS (wait4), and
+    (text decoded with errors replaced) with `peak_bytes`, the child's own peak RSS, and
     `seconds`. A run past `timeout` is killed and fails the calling test as a hang."""
     import os
+    import signal
     import subprocess
     import sys
-    import threading
+    import tempfile
     import time
 
     if isinstance(input, str):
         input = input.encode()
-    start = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "tinyrt", *map(os.fsencode, args)],
-                         stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                         env={**os.environ, **(env or {})})
-    got = {}
-
-    def pump(name, stream):
-        got[name] = stream.read()
-
-    readers = [threading.Thread(target=pump, args=(n, s)) for n, s in
-               (("out", p.stdout), ("err", p.stderr))]
-    for t in readers:
-        t.start()
-    if input is not None:
+    with tempfile.TemporaryDirectory() as tmp:
+        peak_file = os.path.join(tmp, "peak")
+        start = time.monotonic()
+        p = subprocess.Popen([sys.executable, "-c", _LAUNCHER, peak_file,
+                              *map(os.fsencode, args)],
+                             stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                             env={**os.environ, **(env or {})}, start_new_session=True)
         try:
-            p.stdin.write(input)
-            p.stdin.close()
-        except BrokenPipeError:
-            pass
-    killer = threading.Timer(timeout, p.kill)
-    killer.start()
-    _, status, usage = os.wait4(p.pid, 0)          # (not p.wait: wait4 gives this child's rusage)
-    killer.cancel()
-    for t in readers:
-        t.join()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    seconds = time.monotonic() - start
-    assert seconds < timeout, f"tinyrt {' '.join(map(str, args))} hung (killed after {timeout} s)"
-    result = subprocess.CompletedProcess(p.args, p.returncode,
-                                         got["out"].decode(errors="replace"),
-                                         got["err"].decode(errors="replace"))
-    result.peak_bytes, result.seconds = usage.ru_maxrss * 1024, seconds
+            out, err = p.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)          # the launcher and tinyrt under it
+            p.communicate()
+            raise AssertionError(f"tinyrt {' '.join(map(str, args))} hung (killed after "
+                                 f"{timeout} s)") from None
+        seconds = time.monotonic() - start
+        with open(peak_file) as f:
+            peak = int(f.read())
+    result = subprocess.CompletedProcess(p.args, p.returncode, out.decode(errors="replace"),
+                                         err.decode(errors="replace"))
+    result.peak_bytes, result.seconds = peak, seconds
     if os.environ.get("TINYRT_RUN_LOG"):        # benchmarks/hostile.py: every run's figures
         import json
 
         with open(os.environ["TINYRT_RUN_LOG"], "a") as log:
             log.write(json.dumps({"args": [os.fsdecode(a)[:80] for a in args],
                                   "returncode": p.returncode, "seconds": seconds,
-                                  "peak_bytes": result.peak_bytes,
-                                  "stderr": result.stderr[-300:]}) + "\n")
+                                  "peak_bytes": peak, "stderr": result.stderr[-300:]}) + "\n")
     return result
 
 
