@@ -660,8 +660,11 @@ def spawn_chat(model, tmp_path, *args):
 
     env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "data"), TERM="xterm",
                PROMPT_TOOLKIT_NO_CPR="1")
+    # (codec_errors: the terminal's echo of a key, ^C, can land between the bytes of a character
+    # the reply is writing)
     return pexpect.spawn(sys.executable, ["-m", "tinyrt", "chat", "-m", str(model), *args], env=env,
-                         encoding="utf-8", timeout=120, dimensions=(50, 200))
+                         encoding="utf-8", codec_errors="replace", timeout=120,
+                         dimensions=(50, 200))
 
 
 def ready(c):

@@ -393,7 +393,7 @@ class LLM:
 
 
 def _compiling_notice() -> None:
-    # the first run on a machine waits for Numba (README: 18 s on 2 cores): say why, once
+    # the first run on a machine waits for Numba to compile the kernels: say why, once
     print("note: compiling kernels, once on this machine (~20 s); later runs read them from "
           "Numba's cache", file=sys.stderr, flush=True)
 
