@@ -28,16 +28,18 @@ def first_reply(python: str, cache: str, timeout: float = 900) -> float:
     env = dict(os.environ, XDG_CACHE_HOME=os.path.join(cache, "user"),
                NUMBA_CACHE_DIR=os.path.join(cache, "numba"))
     start = time.perf_counter()
+    log = open(os.path.join(cache, "stderr.txt"), "wb")
     p = subprocess.Popen([python, "-m", "tinyrt", "chat", "--temperature", "0", "-n", "8"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         env=env)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                         cwd=cache)     # (not the repository: its tinyrt/ would shadow the install)
     p.stdin.write(QUESTION.encode())
     p.stdin.close()
     first = p.stdout.read(1)
     took = time.perf_counter() - start
     p.stdout.read()
     if p.wait(timeout) != 0 or not first:
-        raise SystemExit(f"tinyrt chat failed (exit {p.returncode})")
+        with open(log.name) as f:
+            raise SystemExit(f"tinyrt chat failed (exit {p.returncode}): {f.read()[-500:]}")
     return took
 
 
