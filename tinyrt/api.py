@@ -81,8 +81,8 @@ def _generation_config(directory: Path) -> dict:
 
 def _largest_token_id(tokenizer) -> int:
     """The largest id the tokenizer can produce. A tokenizer.json's ids need not be contiguous
-    (its count can be below its largest id), so an HF tokenizer's vocabulary is scanned (~0.1 s
-    for 150k tokens); a sentencepiece model's ids are 0 .. size-1."""
+    (its count can be below its largest id), so an HF tokenizer's vocabulary is scanned; a
+    sentencepiece model's ids are 0 .. size-1."""
     hf = getattr(tokenizer, "tok", None)
     if hf is not None:
         return max(hf.get_vocab(with_added_tokens=True).values(), default=-1)
