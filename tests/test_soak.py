@@ -37,9 +37,7 @@ print(json.dumps({"rss": rss, "n": n, "finish": r.finish_reason, "longest": long
 CHAT = RSS + """
 import json, sys, tinyrt
 llm = tinyrt.LLM(sys.argv[1], kv_size=128, kv_policy="sink")
-# (repeat_penalty 1: the run this test was sized on; with 1.1, the default when sampling,
-# 300 turns grew as much, but 100 of them land on either side of its bound)
-chat = tinyrt.ChatSession(llm, temperature=1.0, max_tokens=12, seed=0, repeat_penalty=1.0)
+chat = tinyrt.ChatSession(llm, temperature=1.0, max_tokens=12, seed=0)
 rss, prompts, finishes, longest = [], [], set(), 0
 for i in range(150):
     for r in chat.send(f"turn {i}: tell me more"):
@@ -89,4 +87,7 @@ def test_long_chat_memory_is_flat(models):
     own = [t for t in range(50, 150) if prompts[t] < 64]         # turns that prefilled themselves
     assert len(own) >= 50, prompts
     growth = sum(max(0, rss[t] - rss[t - 1]) for t in own)
-    assert growth < SLACK_KIB / 2 + r["text"] * 4 / 1024, (growth, rss)
+    # (a whole KV cache of this model is 48 KiB: one kept per turn adds 4.7 MiB here. Turns
+    # that keep nothing still move the heap's high-water mark, by up to some 2 MiB over these
+    # turns: each renders and checks the whole conversation)
+    assert growth < SLACK_KIB + r["text"] * 4 / 1024, (growth, rss)
