@@ -5,7 +5,6 @@ prose with code, always present where tinyrt runs, and never the evaluation text
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -13,7 +12,7 @@ import numpy as np
 
 from tinyrt import paths
 from tinyrt.errors import TinyrtError
-from tinyrt.memory import available_bytes
+from tinyrt.memory import available_bytes, cpu_count
 
 DEFAULT_SEQLEN = 512
 MIN_SAMPLES = 4           # the fewest the default takes, however slow the machine
@@ -36,8 +35,7 @@ def default_samples(cfg, seqlen: int = DEFAULT_SEQLEN, cores: int | None = None,
     from .awq import layer_weights, peak_bytes     # not at import: the CLI's start stays light
 
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else os.cpu_count() or 1
+        cores = cpu_count()
     available = available_bytes() if available is None else available
     weights = layer_weights(cfg) * cfg.num_hidden_layers
     n = int(SEARCH_BUDGET_S * cores / (CORE_S_PER_TOKEN_WEIGHT * weights * seqlen))

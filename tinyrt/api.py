@@ -21,6 +21,7 @@ from .generate import Generation, Response
 from .kernels import get_backend, on_first_compile
 from .kv_cache import CacheOptions, make_cache
 from .models import load_model, trim_heap, warm_up
+from .memory import cpu_count
 from .models.weights import FLOAT_TYPES
 from .paths import read_json
 from .sampling import (DEFAULT_MAX_TOKENS, Sampler, SamplingParams, SettingError, check_settings,
@@ -38,14 +39,6 @@ Prompt = str | Sequence[dict]
 BYTES_PER_TOKEN = 64
 MAX_TEXT_BYTES = 1 << 20
 MAX_DRAFT_TOKENS = 32    # (--draft-tokens)
-
-
-def cpu_count() -> int:
-    """The CPUs this process may run on: as many threads as Numba's pool has (its default)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:                   # (no affinity on macOS)
-        return os.cpu_count() or 1
 
 
 def check_runtime(threads: int | None = None, draft_tokens: int | None = None) -> None:

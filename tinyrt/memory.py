@@ -1,8 +1,10 @@
 """How much memory the machine can still give, and a check made before large allocations, so that
-too large a model or KV cache gets a clear error with the figures instead of the OOM killer."""
+too large a model or KV cache gets a clear error with the figures instead of the OOM killer; and
+how many CPUs this process may use."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from tinyrt.errors import TinyrtError
@@ -38,3 +40,11 @@ def ensure_fits(what: str, needed: int, hint: str = "") -> None:
     if avail is not None and needed > avail:
         raise TinyrtError(f"{what} needs {needed / 2**20:,.0f} MiB but {avail / 2**20:,.0f} MiB of "
                           f"memory is available{hint}")
+
+
+def cpu_count() -> int:
+    """The CPUs this process may run on: as many threads as Numba's pool has (its default)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                   # (no affinity on macOS)
+        return os.cpu_count() or 1
