@@ -192,7 +192,7 @@ def test_a_follow_up_turn_prefills_only_what_is_new(served):
 @pytest.mark.parametrize("field,value", [
     ("n", 2), ("temperature", -0.5), ("temperature", "hot"), ("top_k", 2.5), ("top_k", -1),
     ("min_p", 1.5), ("repeat_penalty", 0), ("seed", 2**64), ("seed", 1.5), ("stop", [""]), ("top_p", 0), ("max_tokens", 0),
-    ("max_completion_tokens", -3), ("seed", -2), ("stop", [1]), ("stop", ["a"] * 17),
+    ("max_completion_tokens", -3), ("temp", -1), ("repetition_penalty", 0), ("seed", -2), ("stop", [1]), ("stop", ["a"] * 17),
     ("logprobs", True), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("response_format", {"type": "json_object"}), ("presence_penalty", 3), ("stream", "yes"),
     ("messages", []), ("messages", [{"role": "wizard", "content": "x"}]),
@@ -209,18 +209,37 @@ def test_bad_fields_get_400_naming_the_field(served, field, value):
 
 
 @pytest.mark.parametrize("field,value", [("top_k", 2.5), ("seed", -2), ("temperature", -1),
-                                         ("stop", [1, 2]), ("max_completion_tokens", 0)])
+                                         ("stop", [1, 2]), ("max_completion_tokens", 0),
+                                         ("repetition_penalty", -1)])
 def test_sampling_fields_are_checked_as_every_front_end_s(served, field, value):
     """The server's refusal is sampling.check_settings's own (one check for the CLI, the API,
     a saved chat and the server), the field named as the client sent it."""
     from tinyrt.sampling import SettingError, check_settings
 
     with pytest.raises(SettingError) as want:
-        check_settings({"max_tokens" if field == "max_completion_tokens" else field: value})
+        check_settings({field: value})
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], field: value}
     status, err = post(served.url + "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and err["error"]["param"] == field
-    assert err["error"]["message"] == str(want.value).replace(want.value.name, field, 1)
+    assert err["error"]["message"] == str(want.value)
+
+
+def test_other_runtimes_names_are_taken(served):
+    """mlx-lm's temp, HF's max_new_tokens and repetition_penalty (sampling.ALIASES) act as ours;
+    OpenAI's max_completion_tokens wins over max_tokens."""
+    ask = dict(model="tiny", prompt="The", seed=3)
+    ours = served.client.completions.create(**ask, max_tokens=6, extra_body=dict(
+        temperature=0.9, repeat_penalty=1.3, ignore_eos=True)).choices[0].text
+    theirs = served.client.completions.create(**ask, max_tokens=2, extra_body=dict(
+        temp=0.9, repetition_penalty=1.3, max_new_tokens=6, ignore_eos=True)).choices[0].text
+    assert theirs == ours
+    other = served.client.completions.create(**ask, max_tokens=6, extra_body=dict(
+        temp=0.9, repetition_penalty=1.0, ignore_eos=True)).choices[0].text
+    assert other != ours                            # (the penalty is not ignored)
+    usage = served.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        max_completion_tokens=5, extra_body=dict(ignore_eos=True)).usage
+    assert usage.completion_tokens == 5
 
 
 def test_edge_values_that_mean_something_are_taken(served):

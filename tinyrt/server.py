@@ -37,7 +37,7 @@ from starlette.routing import Route
 from tinyrt.errors import TinyrtError
 
 from .chat import conversation_template, with_template_stops
-from .sampling import SettingError, check_settings
+from .sampling import ALIASES, OPTIONS, SettingError, check_settings
 
 DRAIN = 64 << 20
 MAX_BACKLOG = 1024
@@ -79,8 +79,8 @@ def _refuse(body: dict, name: str, ok, what: str) -> None:
 
 def sampling_options(body: dict, max_tokens: int) -> dict:
     """`LLM.complete` options from OpenAI's fields (and llama.cpp's extras: top_k, min_p,
-    repeat_penalty, ignore_eos), checked as every front end's (sampling.check_settings; seed -1
-    is a random seed, as llama.cpp has it). Absent fields take the model's
+    repeat_penalty, ignore_eos; and the other runtimes' names, sampling.ALIASES), checked as
+    every front end's (sampling.check_settings; seed -1 is a random seed, as llama.cpp has it). Absent fields take the model's
     generation_config.json or the sampler's defaults; max_tokens defaults to the cache size."""
     _refuse(body, "n", lambda v: v == 1, "one choice per request")
     _refuse(body, "best_of", lambda v: v == 1, "one choice per request")
@@ -93,18 +93,13 @@ def sampling_options(body: dict, max_tokens: int) -> dict:
     _refuse(body, "functions", lambda v: v == [], "no function calls")
     _refuse(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
             "text replies only")
-    # (max_completion_tokens is OpenAI's newer name for max_tokens)
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    fields = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "min_p",
-                                            "repeat_penalty", "presence_penalty",
-                                            "frequency_penalty", "seed", "stop", "ignore_eos")}
+    # (an alias, listed after our name, wins where both are given: OpenAI's newer
+    # max_completion_tokens over max_tokens)
+    fields = {key: body.get(key) for key in (*OPTIONS, *ALIASES)}
     try:
-        opts = check_settings({**fields, "max_tokens": body.get(limit)})
+        opts = check_settings(fields)
     except SettingError as e:
-        param = limit if e.name == "max_tokens" else e.name
-        raise APIError(400, str(e).replace(e.name, param, 1), param=param,
-                       code="invalid_value") from None
+        raise APIError(400, str(e), param=e.name, code="invalid_value") from None
     opts["max_tokens"] = opts["max_tokens"] or max_tokens
     return {k: v for k, v in opts.items() if v is not None}
 
