@@ -292,6 +292,27 @@ class H2OOracle:
         return ref.linear(ref.rmsnorm(x[-1:], m.norm, cfg.rms_norm_eps), m.lm_head)
 
 
+def _heads_hold(cache) -> set[tuple]:
+    return {tuple(sorted(p for p in heads if p >= 0)) for heads in cache.slot_pos.reshape(
+        -1, cache.slot_pos.shape[-1])}
+
+
+def _a_prompt_the_heads_keep_differently(llm, tries: int = 20) -> np.ndarray:
+    """A random 40-token prompt after which not every KV head holds the same positions: about
+    one prompt in twenty leaves them all the same, and the tiny model's heavy hitters seldom
+    change after the prompt, which would leave the run nothing to check per head. (Code that
+    shared one choice across heads fails here.)"""
+    for _ in range(tries):
+        prompt = rng.integers(0, 320, 40)
+        for c in range(0, 40, llm.cache.chunk):
+            llm.model.forward(prompt[c:c + llm.cache.chunk], llm.cache)
+        differ = len(_heads_hold(llm.cache)) > 1
+        llm.cache.reset()
+        if differ:
+            return prompt
+    raise AssertionError(f"every KV head kept the same positions after each of {tries} prompts")
+
+
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 @pytest.mark.parametrize("n_sink, recent", [(4, 8), (0, 3)])
 def test_h2o_cache_agrees_with_the_oracle_over_thousands_of_steps(tiny, device, n_sink, recent):
@@ -302,7 +323,7 @@ def test_h2o_cache_agrees_with_the_oracle_over_thousands_of_steps(tiny, device, 
                      sinks=n_sink, recent=recent)
     oracle = H2OOracle(tinyrt.LLM(tiny, device="reference").model, n_sink, 24, recent)
     cache, model = llm.cache, llm.model
-    prompt = rng.integers(0, 320, 40)
+    prompt = _a_prompt_the_heads_keep_differently(llm)
     worst, differ = 0.0, False
     for t in [prompt[c:c + cache.chunk] for c in range(0, 40, cache.chunk)] + [
             [t] for t in rng.integers(0, 320, STEPS)]:
@@ -312,7 +333,7 @@ def test_h2o_cache_agrees_with_the_oracle_over_thousands_of_steps(tiny, device, 
         kept = [sorted(oracle.kept[i][g]) for i in range(2) for g in range(2)]
         held = [sorted(p for p in cache.slot_pos[i, g] if p >= 0) for i in range(2) for g in range(2)]
         assert kept == held
-        differ |= len({tuple(k) for k in held}) > 1
+        differ |= len(_heads_hold(cache)) > 1
     assert worst <= 1e-4, worst
     assert oracle.decisions > 4 * STEPS * 0.99 and oracle.adopted <= 0.01 * oracle.decisions
     assert differ                                 # the heads kept different tokens at times
