@@ -271,7 +271,7 @@ def test_store_kv_quantized(bits, order):
             slots = np.tile((np.arange(T) + at) % C, (N, 1))
             at += T
         else:                                   # (the first step writes the pinned block)
-            slots = np.stack([rng.permutation(C)[:T] if step else np.r_[0, rng.choice(
+            slots = np.stack([rng.choice(C, T, replace=False) if step else np.r_[0, rng.choice(
                 np.arange(1, C), T - 1, replace=False)] for _ in range(N)])
         k, v = (rng.standard_normal((T, N, D)).astype(np.float32) * 4 for _ in range(2))
         k[:, :, 3] = 1.25                       # a key channel constant in every block
