@@ -166,7 +166,6 @@ def test_every_policy_runs_on_codes_close_to_float16(tiny, policy, size, kv_type
 def test_drafts_roll_back_inside_the_residual(tiny):
     """Speculative decoding over a q4 cache: greedy output token for token that of the same
     cache without a draft (drafted slots are rolled back inside the float residual)."""
-    rng = np.random.default_rng(6)
     plain = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_group=4, kv_residual=16)
     drafted = tinyrt.LLM(tiny, device="cpu", kv_type="q4", kv_group=4, kv_residual=16,
                          draft="lookup", draft_tokens=4)
@@ -177,7 +176,6 @@ def test_drafts_roll_back_inside_the_residual(tiny):
 
 
 def test_options_and_sizes(tiny):
-    rng = np.random.default_rng(7)
     llm = tinyrt.LLM(tiny, device="cpu")
     cfg = llm.config
     f16, q4 = CacheOptions(), CacheOptions(kv_type="q4")
