@@ -44,6 +44,9 @@ def _check_kind(name: str, v: Any, kind: str) -> None:
         raise ModelFormatError(f"{name} must be {_WHAT[kind]}, got {_shown(v)}")
 
 
+MAX_ROPE_THETA, MAX_ROPE_FACTOR = 1e15, 1e6
+
+
 def _check_number(name: str, v: Any, low: float, high: float = math.inf, *,
                   low_ok: bool = False) -> float:
     """`v` as a finite float above `low` (at `low` too if `low_ok`) and below `high`: JSON
@@ -200,9 +203,11 @@ class ModelConfig:
             raise fail(f"unsupported activation {self.hidden_act!r} (only silu)")
         if self.attention_bias or self.mlp_bias:
             raise fail("linear layers with bias are not supported")
-        # an epsilon, not a scale; theta above 1 so that the frequencies fall (1 / theta^(i/d))
+        # an epsilon, not a scale; theta above 1 so that the frequencies fall (1 / theta^(i/d)),
+        # and theta and the factor far above any model's yet bounded, so that the slowest
+        # frequency, about 1 / (theta * factor), stays a normal float32
         _check_number("rms_norm_eps", self.rms_norm_eps, 0, 1)
-        _check_number("rope_theta", self.rope_theta, 1)
+        _check_number("rope_theta", self.rope_theta, 1, MAX_ROPE_THETA)
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, dict):
                 raise fail("rope_scaling must be an object")
@@ -213,7 +218,8 @@ class ModelConfig:
             s = self.rope_scaling
             if kind in ("linear", "llama3"):
                 # the frequencies are divided by the factor: at least 1, a stretch of the context
-                _check_number(f"rope_scaling.factor ({kind})", s.get("factor"), 1, low_ok=True)
+                _check_number(f"rope_scaling.factor ({kind})", s.get("factor"), 1,
+                              MAX_ROPE_FACTOR, low_ok=True)
             if kind == "llama3":
                 # the ramp between the two divides by low and by high - low (models/rope.py)
                 lo = _check_number("rope_scaling.low_freq_factor", s.get("low_freq_factor"), 0)

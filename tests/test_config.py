@@ -97,6 +97,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
     ({"rms_norm_eps": 5.0}, "rms_norm_eps must be above 0 and below 1"),
     ({"rope_theta": float("inf")}, "rope_theta must be a finite number"),
     ({"rope_theta": 0.5}, "rope_theta must be above 1"),
+    ({"rope_theta": 1.3e54}, "rope_theta must be above 1 and below 1e+15, got 1.3e+54"),
+    ({"rope_scaling": {**LLAMA3, "factor": 2e276}}, "rope_scaling.factor (llama3) must be at least 1 "
+     "and below 1e+06"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 10**400}}, "rope_scaling.factor (linear)"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0}},
      "rope_scaling.factor (linear) must be at least 1"),
