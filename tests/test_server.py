@@ -24,6 +24,7 @@ from tinyrt.cli.serve import MAX_BODY
 from tinyrt.server import Server
 
 KEY = "sesame"
+HANG = 60          # seconds: a hang detector, not a speed check (a shared machine may stall)
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +341,7 @@ def test_a_request_given_up_while_it_waits_never_runs(tiny):
         impatient = run.client.with_options(timeout=0.5)
         with pytest.raises(openai.APITimeoutError):
             impatient.completions.create(model="tiny", prompt="never", max_tokens=2)
-        deadline = time.monotonic() + 10               # it leaves the queue
+        deadline = time.monotonic() + HANG             # it leaves the queue
         while run.health()["waiting"]:
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -360,7 +361,7 @@ def test_a_client_that_stops_reading_is_let_go(tiny):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                          b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + HANG
             while not run.health()["running"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
@@ -453,11 +454,10 @@ def test_tinyrt_serve_with_the_default_model(smol):
                                                                             max_tokens=2))
         waiting.start()
         until("waiting", 1)
-        stopped = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        waiting.join(timeout=30)
-        streaming.join(timeout=30)
-        assert time.monotonic() - stopped < 5
+        waiting.join(timeout=HANG)
+        streaming.join(timeout=HANG)
+        assert not waiting.is_alive() and not streaming.is_alive()
         assert results["queued"].status_code == 503 and "stopping" in str(results["queued"])
         assert isinstance(results["long"], openai.APIError) and "stopping" in str(results["long"])
         assert proc.wait(timeout=30) == 130                  # as any command stopped by Ctrl-C
