@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -92,6 +93,12 @@ def _lock_simulated_shared_memory() -> None:
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     _lock_simulated_shared_memory()
+
+# A suite started in the background by a shell without job control ignores Ctrl-C (SIGINT), and
+# its children inherit that (Python then installs no KeyboardInterrupt): the tests that stop a
+# child with Ctrl-C would see it run on. A handled signal is the default again in a child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
