@@ -80,8 +80,9 @@ def _refuse(body: dict, name: str, ok, what: str) -> None:
 def sampling_options(body: dict, max_tokens: int) -> dict:
     """`LLM.complete` options from OpenAI's fields (and llama.cpp's extras: top_k, min_p,
     repeat_penalty, ignore_eos; and the other runtimes' names, sampling.ALIASES), checked as
-    every front end's (sampling.check_settings; seed -1 is a random seed, as llama.cpp has it). Absent fields take the model's
-    generation_config.json or the sampler's defaults; max_tokens defaults to the cache size."""
+    every front end's (sampling.check_settings; seed -1 is a random seed, as llama.cpp has it).
+    Absent fields take the model's generation_config.json or the sampler's defaults;
+    max_tokens defaults to the cache size."""
     _refuse(body, "n", lambda v: v == 1, "one choice per request")
     _refuse(body, "best_of", lambda v: v == 1, "one choice per request")
     _refuse(body, "logprobs", lambda v: v is False, "no log probabilities")
