@@ -27,18 +27,20 @@ def first_reply(python: str, cache: str, timeout: float = 900) -> float:
     """Seconds from starting `tinyrt chat` to its first byte on stdout."""
     env = dict(os.environ, XDG_CACHE_HOME=os.path.join(cache, "user"),
                NUMBA_CACHE_DIR=os.path.join(cache, "numba"))
-    start = time.perf_counter()
-    log = open(os.path.join(cache, "stderr.txt"), "wb")
-    p = subprocess.Popen([python, "-m", "tinyrt", "chat", "--temperature", "0", "-n", "8"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                         cwd=cache)     # (not the repository: its tinyrt/ would shadow the install)
-    p.stdin.write(QUESTION.encode())
-    p.stdin.close()
-    first = p.stdout.read(1)
-    took = time.perf_counter() - start
-    p.stdout.read()
-    if p.wait(timeout) != 0 or not first:
-        with open(log.name) as f:
+    log = os.path.join(cache, "stderr.txt")
+    with open(log, "wb") as err:
+        start = time.perf_counter()
+        p = subprocess.Popen([python, "-m", "tinyrt", "chat", "--temperature", "0", "-n", "8"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                             cwd=cache)  # (not the repository: its tinyrt/ would shadow the install)
+        p.stdin.write(QUESTION.encode())
+        p.stdin.close()
+        first = p.stdout.read(1)
+        took = time.perf_counter() - start
+        p.stdout.read()
+        failed = p.wait(timeout) != 0 or not first
+    if failed:
+        with open(log) as f:
             raise SystemExit(f"tinyrt chat failed (exit {p.returncode}): {f.read()[-500:]}")
     return took
 
