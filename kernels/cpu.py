@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
-from . import cpu_kv, jit_cache, kv_quant, quant, reference, simd
+from . import cores, cpu_kv, jit_cache, kv_quant, quant, reference, simd
 
 jit_cache.guard()
 
@@ -909,11 +909,32 @@ class CpuBackend(reference.ReferenceBackend):
     def __init__(self, threads: int | None = None):
         from threadpoolctl import ThreadpoolController
 
-        if threads is not None:
-            numba.set_num_threads(threads)
-        self.threads = numba.get_num_threads()
+        # at most `threads` (default: Numba's pool, a thread per CPU), fewer while other programs
+        # keep cores busy (kernels.cores)
+        self.cores = cores.Cores(threads or numba.config.NUMBA_NUM_THREADS)
+        self._fixed = None
         self._scratch = np.empty(0, np.float32)
         self._blas = ThreadpoolController()
+        self._blas_threads = None
+
+    @property
+    def threads(self) -> int:
+        """The threads the next kernel runs on (kernels.cores), set for it: Numba's count is the
+        calling thread's own, and BLAS's the process's."""
+        n = self._fixed or self.cores.threads()
+        pool = min(n, numba.config.NUMBA_NUM_THREADS)
+        if numba.get_num_threads() != pool:
+            numba.set_num_threads(pool)
+        if self._blas_threads != pool:
+            self._blas.limit(limits=pool, user_api="blas")
+            self._blas_threads = pool
+        return n
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        """A fixed count of tasks for the kernels to split their work into (a test of the
+        split), whatever the machine's load; Numba's threads are at most its pool."""
+        self._fixed = n
 
     def _one_blas_thread(self):
         """A context in which BLAS runs on one thread, for its calls between the parallel Numba
@@ -936,6 +957,7 @@ class CpuBackend(reference.ReferenceBackend):
 
     def prepare_linear(self, parts: list):
         if all(isinstance(p, quant.QuantWeight) for p in parts):
+            _ = self.threads               # (the count repack's prange runs on)
             return repack(parts)
         return super().prepare_linear(parts)
 
