@@ -2,6 +2,7 @@
 
     python benchmarks/speculative.py --target F16_DIR --draft AWQ_DIR [--tokens 128] [--runs 3]
         [--layers 6 10] [--confidence 0.1 0.3] [--own-cache]
+    python benchmarks/speculative.py --verify-cost [--target MODEL]
 
 For each prompt (open chat, and a summarise-this-text prompt that a reply may quote), the
 decode speed and the time to the first token (medians of the runs) of: the target alone; the
@@ -32,6 +33,30 @@ def summarise_prompt() -> str:
     return "Summarize the following text in a few sentences.\n\n" + text[start:start + 1500].strip()
 
 
+def verify_cost(llm, sizes=(2, 4, 8), rounds: int = 40, context: int = 256) -> dict:
+    """What a draft's verification costs against one decode step: the median time of a forward
+    pass of T tokens with every token's logits (what the target runs to check T - 1 drafted
+    tokens) over the median time of a one-token step, both after the same `context` tokens in
+    the cache, taking turns round after round. {T: ratio}."""
+    import time
+
+    import numpy as np
+
+    ids = np.asarray(llm.encode(summarise_prompt())[:context], np.int64)
+    m, cache = llm.model, llm.cache
+    llm.reset()
+    m.forward(ids, cache)
+    times = {T: [] for T in (1, *sizes)}
+    for _ in range(rounds):
+        for T in times:
+            start = time.perf_counter()
+            m.backend.to_numpy(m.forward(ids[:T], cache, all_logits=True))
+            times[T].append(time.perf_counter() - start)
+            cache.rollback(T)
+    step = statistics.median(times[1])
+    return {"step_ms": step * 1e3, **{T: statistics.median(times[T]) / step for T in sizes}}
+
+
 def run(llm, prompt: str, tokens: int):
     replies = list(llm.stream(prompt, max_tokens=tokens, temperature=0))
     return [r.token for r in replies if r.token is not None], replies[-1].timings
@@ -40,7 +65,10 @@ def run(llm, prompt: str, tokens: int):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="float model (default: the default model)")
-    p.add_argument("--draft", required=True, help="its AWQ version")
+    p.add_argument("--draft", help="its AWQ version")
+    p.add_argument("--verify-cost", action="store_true",
+                   help="the target's cost of verifying 2, 4 and 8 tokens against one decode "
+                        "step (no draft needed), on its weights as stored and as float32")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -56,6 +84,18 @@ def main():
     def load(model, draft=None):
         return tinyrt.load(model, threads=args.threads, kv_size=2048, draft=draft, quiet=True)
 
+    if args.verify_cost:
+        for dtype in (None, "f32"):
+            llm = tinyrt.load(args.target, threads=args.threads, kv_size=2048, dtype=dtype,
+                              quiet=True)
+            r = verify_cost(llm)
+            print(f"verify / step, {dtype or 'as stored'} ({r['step_ms']:.1f} ms a step): "
+                  + ", ".join(f"{T} tokens {r[T]:.2f}x" for T in r if T != "step_ms"), flush=True)
+            del llm
+        if args.draft is None:
+            return
+    elif args.draft is None:
+        p.error("--draft is needed (or --verify-cost alone)")
     configs = {"target": (load(args.target), None)}
     for c in args.confidence or [None]:
         llm = load(args.target, args.draft)

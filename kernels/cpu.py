@@ -249,16 +249,29 @@ def _activation_buffers(rows, n_in, group):
 @njit(fastmath=True, cache=True)
 def _q_tiles(xp, sx, xsum, w, y, k0, k1):
     """Tiles k0 .. k1-1 of the GEMV of a QLinear w for T tokens' activations xp, sx, xsum
-    [T, ...] (from quantize_pairs) into y [T, out] (simd.tile_dot4 ... tile_dot8). A tile stays
-    in the L1 cache from one token to the next; each token's outputs are the same sums in the
-    same order whatever T."""
+    [T, ...] (from quantize_pairs) into y [T, out]: FEW_TOKENS tokens at a time while there are
+    as many left (simd.few_dot4 ... few_dot8: a tile's codes taken apart once for them), the
+    rest one at a time (simd.tile_dot4 ... tile_dot8). A tile stays in the L1 cache from one
+    token to the next; each token's outputs are the same sums in the same order whatever T."""
     T, n_out = y.shape
-    out = np.empty(simd.LANES, np.float32)
+    F = simd.FEW_TOKENS
+    out = np.empty((F, simd.LANES), np.float32)
     for k in range(k0, k1):
         c0 = k * simd.LANES
         n = min(simd.LANES, n_out - c0)
-        for t in range(T):
-            if w.bits == 4:
+        t = 0
+        while t < T:
+            few = T - t >= F
+            if few:
+                if w.bits == 4:
+                    simd.few_dot4(w, k, xp, sx, xsum, t, out)
+                elif w.bits == 5:
+                    simd.few_dot5(w, k, xp, sx, xsum, t, out)
+                elif w.bits == 6:
+                    simd.few_dot6(w, k, xp, sx, xsum, t, out)
+                else:
+                    simd.few_dot8(w, k, xp, sx, xsum, t, out)
+            elif w.bits == 4:
                 simd.tile_dot4(w, k, xp, sx, xsum, t, out)
             elif w.bits == 5:
                 simd.tile_dot5(w, k, xp, sx, xsum, t, out)
@@ -266,8 +279,11 @@ def _q_tiles(xp, sx, xsum, w, y, k0, k1):
                 simd.tile_dot6(w, k, xp, sx, xsum, t, out)
             else:
                 simd.tile_dot8(w, k, xp, sx, xsum, t, out)
-            for j in range(n):
-                y[t, c0 + j] = out[j]
+            m = F if few else 1
+            for i in range(m):
+                for j in range(n):
+                    y[t + i, c0 + j] = out[i, j]
+            t += m
 
 
 @njit(parallel=_prange_only(), cache=True)
@@ -337,22 +353,29 @@ def gemv_rows(x, w, s, y, nchunk):
     T, rows, n = x.shape[0], w.shape[0], w.shape[1]
     n16 = n // simd.LANES * simd.LANES
     scaled = s.shape[0] > 0
+    F = simd.FEW_TOKENS
     step = ((rows + nchunk - 1) // nchunk + 3) // 4 * 4
     for ch in prange(nchunk):
         r, end = ch * step, min(rows, ch * step + step)
-        dots = np.empty(4, np.float32)
+        dots = np.empty(4 * F, np.float32)
         while r < end:
             R = 4 if r + 4 <= end else 1
-            for t in range(T):
-                if R == 4:
+            t = 0
+            while t < T:
+                U = F if R == 4 and T - t >= F else 1    # FEW_TOKENS tokens a pass where they fit
+                if U == F:
+                    simd.rows_dot4_few(w, r, x, t, dots)
+                elif R == 4:
                     simd.rows_dot4(w, r, x, t, dots)
                 else:
                     simd.rows_dot1(w, r, x, t, dots)
-                for j in range(R):
-                    acc = dots[j]
-                    for i in range(n16, n):
-                        acc += x[t, i] * np.float32(w[r + j, i])
-                    y[t, r + j] = acc * s[r + j] if scaled else acc
+                for u in range(U):
+                    for j in range(R):
+                        acc = dots[u * R + j]
+                        for i in range(n16, n):
+                            acc += x[t + u, i] * np.float32(w[r + j, i])
+                        y[t + u, r + j] = acc * s[r + j] if scaled else acc
+                t += U
             r += R
 
 

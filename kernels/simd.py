@@ -260,6 +260,11 @@ tile_dot4 = _tile_dot(4)
 tile_dot5 = _tile_dot(5)
 tile_dot6 = _tile_dot(6)
 tile_dot8 = _tile_dot(8)
+FEW_TOKENS = 4      # tokens per tile_dot of a draft's verification: the codes taken apart once
+few_dot4 = _tile_dot(4, FEW_TOKENS)
+few_dot5 = _tile_dot(5, FEW_TOKENS)
+few_dot6 = _tile_dot(6, FEW_TOKENS)
+few_dot8 = _tile_dot(8, FEW_TOKENS)
 GEMM_TOKENS = 8     # tokens per tile_dot of a prompt: their sums and outputs fill the registers
 gemm_dot4 = _tile_dot(4, GEMM_TOKENS)
 gemm_dot5 = _tile_dot(5, GEMM_TOKENS)
@@ -267,13 +272,15 @@ gemm_dot6 = _tile_dot(6, GEMM_TOKENS)
 gemm_dot8 = _tile_dot(8, GEMM_TOKENS)
 
 
-def _rows_dot(R: int):
-    """The intrinsic rows_dot{R}(w, r, x, t, dst): dst[j] = sum over i < n of x[t, i] * w[r + j, i]
-    in float32 for the R rows r .. r+R-1 of w [out, in] (float32, or int8 taken as its values),
-    x float32 [T, in], n = in rounded down to a multiple of LANES (the caller adds the rest).
-    Each row has a vector accumulator of LANES floats, summed at the end (llvm's reduction), so
-    a row's sum is the same whichever R computes it. The loop asks for the next R rows (which a
-    GEMV reads next) as it goes, each cache line once."""
+def _rows_dot(R: int, U: int = 1):
+    """The intrinsic rows_dot{R}(w, r, x, t, dst): dst[u R + j] = sum over i < n of
+    x[t + u, i] * w[r + j, i] in float32 for the R rows r .. r+R-1 of w [out, in] (float32, or
+    int8 taken as its values) and the U tokens t .. t+U-1 of x float32 [T, in], n = in rounded
+    down to a multiple of LANES (the caller adds the rest). Each row and token has a vector
+    accumulator of LANES floats, summed at the end (llvm's reduction), so a row's sum for a token
+    is the same whichever R and U compute it; a row's elements are loaded (and int8 converted)
+    once for the U tokens. The loop asks for the next R rows (which a GEMV reads next) as it
+    goes, each cache line once."""
 
     @intrinsic
     def rows_dot(typingctx, w, r, x, t, dst):
@@ -293,8 +300,10 @@ def _rows_dot(R: int):
             element = i8 if is_int8 else f32
             rows = [_row_pointer(context, builder, w_ty, args[0],
                                  builder.add(rv, ir.Constant(intp, j))) for j in range(R)]
-            x_row = _row_pointer(context, builder, x_ty, args[2], tv)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(R)]
+            x_rows = [_row_pointer(context, builder, x_ty, args[2],
+                                   builder.add(tv, ir.Constant(intp, u))) for u in range(U)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(R)]
+                    for _ in range(U)]
             zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
             size = 1 if is_int8 else 4
             # the R rows lie one after the other: the step at element d asks for the bytes the
@@ -306,26 +315,30 @@ def _rows_dot(R: int):
                 for line in range(max(1, R * size * LANES // 64)):
                     offset = builder.add(at, ir.Constant(intp, 64 * line))
                     _prefetch(builder, builder.gep(ahead, [offset]))
-                xv = builder.load(builder.bitcast(builder.gep(x_row, [d]), vec.as_pointer()),
-                                  align=4)
-                for row, acc in zip(rows, accs):
+                xvs = [builder.load(builder.bitcast(builder.gep(x_row, [d]), vec.as_pointer()),
+                                    align=4) for x_row in x_rows]
+                for j, row in enumerate(rows):
                     ptr = builder.gep(row, [d])
                     wv = builder.load(builder.bitcast(ptr, ir.VectorType(element, LANES)
                                                       .as_pointer()), align=1 if is_int8 else 4)
                     if is_int8:
                         wv = builder.sitofp(wv, vec)
-                    builder.store(builder.fadd(builder.load(acc),
-                                               builder.fmul(xv, wv, flags=["fast"]),
-                                               flags=["fast"]), acc)
+                    for xv, token_accs in zip(xvs, accs):
+                        acc = token_accs[j]
+                        builder.store(builder.fadd(builder.load(acc),
+                                                   builder.fmul(xv, wv, flags=["fast"]),
+                                                   flags=["fast"]), acc)
             reduce = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(f32, [f32, vec]),
                 f"llvm.vector.reduce.fadd.v{LANES}f32")
             dst_arr = context.make_array(dst_ty)(context, builder, args[4])
-            for j, acc in enumerate(accs):
-                total = builder.call(reduce, [ir.Constant(f32, 0), builder.load(acc)],
-                                     fastmath=("fast",))
-                builder.store(total, cgutils.get_item_pointer(context, builder, dst_ty, dst_arr,
-                                                              [ir.Constant(intp, j)]))
+            for u, token_accs in enumerate(accs):
+                for j, acc in enumerate(token_accs):
+                    total = builder.call(reduce, [ir.Constant(f32, 0), builder.load(acc)],
+                                         fastmath=("fast",))
+                    where = ir.Constant(intp, u * R + j)
+                    builder.store(total, cgutils.get_item_pointer(context, builder, dst_ty,
+                                                                  dst_arr, [where]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -335,6 +348,7 @@ def _rows_dot(R: int):
 
 rows_dot4 = _rows_dot(4)
 rows_dot1 = _rows_dot(1)
+rows_dot4_few = _rows_dot(4, FEW_TOKENS)     # 4 rows for FEW_TOKENS tokens (a verification)
 
 
 @intrinsic
