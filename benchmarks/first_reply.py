@@ -6,7 +6,10 @@ Cold runs get empty directories for the user cache (tinyrt's and pip's: XDG_CACH
 Numba's compiled kernels (NUMBA_CACHE_DIR); warm runs reuse them. --python picks the interpreter
 of the installation to time (e.g. a fresh venv's after `pip install .`).
 
-    python benchmarks/first_reply.py [--python PY] [--runs 3] [--json]
+    python benchmarks/first_reply.py [--python PY] [--runs 3] [--busy N] [--json]
+
+--busy N runs N busy loops (`python -c "while True: pass"`) beside it all the while: the first
+reply on a machine that is not idle.
 """
 
 from __future__ import annotations
@@ -49,17 +52,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--busy", type=int, default=0, help="busy loops running beside it")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cold, warm = [], []
-    for _ in range(args.runs):
-        with tempfile.TemporaryDirectory() as cache:
-            cold.append(first_reply(args.python, cache))
-            warm.append(first_reply(args.python, cache))
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(args.busy)]
+    try:
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory() as cache:
+                cold.append(first_reply(args.python, cache))
+                warm.append(first_reply(args.python, cache))
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
     out = {"cold_s": statistics.median(cold), "warm_s": statistics.median(warm),
            "cold_runs": cold, "warm_runs": warm}
     print(json.dumps(out) if args.json else
-          f"first reply token: cold {out['cold_s']:.1f} s, warm {out['warm_s']:.1f} s "
+          f"first reply token{f' beside {args.busy} busy loops' if args.busy else ''}: "
+          f"cold {out['cold_s']:.1f} s, warm {out['warm_s']:.1f} s "
           f"(medians of {args.runs}; cold {', '.join(f'{c:.1f}' for c in cold)}; "
           f"warm {', '.join(f'{w:.1f}' for w in warm)})")
 

@@ -35,6 +35,7 @@ seconds), later runs load machine code from the cache.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from typing import NamedTuple
 
@@ -904,6 +905,8 @@ def decode_layer_q(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
 # -- the backend ---------------------------------------------------------------------------------
 
 _NO_SCORES = np.zeros((1, 0), np.float32)
+_numba_threads = threading.local()     # the count this thread last gave Numba (get_num_threads
+                                       # costs a microsecond, and a token reads it ~35 times)
 _NO_SCALES = np.zeros(0, np.float32)          # gemv_rows of float weights
 
 
@@ -946,8 +949,9 @@ class CpuBackend(reference.ReferenceBackend):
         calling thread's own, and BLAS's the process's."""
         n = self._fixed or self.cores.threads()
         pool = min(n, numba.config.NUMBA_NUM_THREADS)
-        if numba.get_num_threads() != pool:
+        if getattr(_numba_threads, "n", None) != pool:
             numba.set_num_threads(pool)
+            _numba_threads.n = pool
         if self._blas_threads != pool:
             self._blas.limit(limits=pool, user_api="blas")
             self._blas_threads = pool

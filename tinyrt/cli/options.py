@@ -112,8 +112,8 @@ def add_runtime_options(g) -> None:
     """Where and how the weights run: --device, --threads, --dtype."""
     g.add_argument("--device", choices=DEVICES, default="auto")
     g.add_argument("--threads", type=int, default=None,
-                   help="threads of the CPU kernels, 1 to the CPUs this process may use (default: "
-                        "all of them)")
+                   help="the most threads of the CPU kernels, 1 to the CPUs this process may use "
+                        "(default: all of them); fewer while other programs keep cores busy")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="on a GPU, run each decode step's kernels one by one instead of replaying "
                         "them as one CUDA graph (debugging)")
