@@ -905,8 +905,12 @@ def decode_layer_q(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
 # -- the backend ---------------------------------------------------------------------------------
 
 _NO_SCORES = np.zeros((1, 0), np.float32)
-_numba_threads = threading.local()     # the count this thread last gave Numba (get_num_threads
-                                       # costs a microsecond, and a token reads it ~35 times)
+# The thread counts last set: Numba's is each thread's own (get_num_threads costs a microsecond,
+# and a token reads the count ~35 times), BLAS's the process's; and the process's measures of the
+# free cores, by the most threads asked for.
+_numba_threads = threading.local()
+_SET = {"blas": None}
+_CORES: dict[int, cores.Cores] = {}
 _NO_SCALES = np.zeros(0, np.float32)          # gemv_rows of float weights
 
 
@@ -936,12 +940,14 @@ class CpuBackend(reference.ReferenceBackend):
         from threadpoolctl import ThreadpoolController
 
         # at most `threads` (default: Numba's pool, a thread per CPU), fewer while other programs
-        # keep cores busy (kernels.cores)
-        self.cores = cores.Cores(threads or numba.config.NUMBA_NUM_THREADS)
+        # keep cores busy: one measure for the process (a draft model's backend shares it)
+        most = threads or numba.config.NUMBA_NUM_THREADS
+        if most not in _CORES:
+            _CORES[most] = cores.Cores(most)
+        self.cores = _CORES[most]
         self._fixed = None
         self._scratch = np.empty(0, np.float32)
         self._blas = ThreadpoolController()
-        self._blas_threads = None
 
     @property
     def threads(self) -> int:
@@ -952,9 +958,9 @@ class CpuBackend(reference.ReferenceBackend):
         if getattr(_numba_threads, "n", None) != pool:
             numba.set_num_threads(pool)
             _numba_threads.n = pool
-        if self._blas_threads != pool:
+        if _SET["blas"] != pool:
             self._blas.limit(limits=pool, user_api="blas")
-            self._blas_threads = pool
+            _SET["blas"] = pool
         return n
 
     @threads.setter
