@@ -41,7 +41,10 @@ def bench(path: Path, model: str | None, args) -> dict:
     cmd = [sys.executable, "-m", "tinyrt", "bench", *([model] if model else []), "--json",
            "--threads", str(args.threads), "--runs", str(args.runs),
            "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # run from the tree's own folder: `python -m` puts the working directory first on the path,
+    # and run from the repository its tinyrt/ (and, through the editable install, its kernels)
+    # would be imported for every revision alike
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=path)
     if out.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr}")
     return json.loads(out.stdout)

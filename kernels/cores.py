@@ -43,11 +43,11 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def quota_cores() -> float | None:
+def quota_cores(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
     """The cores a CPU quota (cgroup v2 cpu.max: a container's --cpus) lets this process use, or
     None where there is none. Threads beyond it are throttled, in the middle of a join."""
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
+        with open(path) as f:
             quota, period = f.read().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):

@@ -98,6 +98,15 @@ def test_busy_seconds_reads_the_cpus_asked_for(tmp_path):
     assert cores.busy_seconds([0], str(stat)) is None
 
 
+def test_a_cpu_quota_is_read_as_cores(tmp_path):
+    f = tmp_path / "cpu.max"
+    f.write_text("150000 100000\n")
+    assert cores.quota_cores(str(f)) == 1.5
+    f.write_text("max 100000\n")
+    assert cores.quota_cores(str(f)) is None
+    assert cores.quota_cores(str(tmp_path / "missing")) is None
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the kernel's counters are Linux's")
 def test_a_busy_loop_is_measured_as_a_core_of_other_work():
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
