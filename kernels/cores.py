@@ -13,10 +13,10 @@ nothing), the time this process's CPUs spent busy (the kernel's counters, /proc/
 process's own CPU time is the work of other programs, in cores; the cores left over, rounded, are
 the threads to use, never fewer than one nor more than asked for. More work elsewhere takes a
 thread away at once; a thread comes back after two windows that both found its core free, so that
-two tinyrt processes sharing a machine settle rather than rise and fall together. Work at a
-lower priority than ours (a niced process's time, counted apart by the kernel) does not count: the
-scheduler gives our threads its cores. Where the counters cannot be read (not Linux), the count
-stays as asked.
+two tinyrt processes sharing a machine settle rather than rise and fall together. Niced work
+(counted apart by the kernel) does not count unless this process is niced too: the scheduler
+gives our threads its cores. A CPU quota (a container's) caps the count. Where the counters
+cannot be read (not Linux), the count stays as asked.
 """
 
 from __future__ import annotations
