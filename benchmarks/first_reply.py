@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from under_load import busy_loops
+
 QUESTION = "What is the capital of France?\n"
 
 
@@ -56,17 +58,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cold, warm = [], []
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-             for _ in range(args.busy)]
-    try:
+    with busy_loops(args.busy):
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory() as cache:
                 cold.append(first_reply(args.python, cache))
                 warm.append(first_reply(args.python, cache))
-    finally:
-        for p in loops:
-            p.kill()
-            p.wait()
     out = {"cold_s": statistics.median(cold), "warm_s": statistics.median(warm),
            "cold_runs": cold, "warm_runs": warm}
     print(json.dumps(out) if args.json else
