@@ -33,7 +33,7 @@ def summarise_prompt() -> str:
     return "Summarize the following text in a few sentences.\n\n" + text[start:start + 1500].strip()
 
 
-def verify_cost(llm, sizes=(2, 4, 8), rounds: int = 40, context: int = 256) -> dict:
+def verify_cost(llm, sizes=(2, 4, 8), rounds: int = 100, context: int = 256) -> dict:
     """What a draft's verification costs against one decode step: the median time of a forward
     pass of T tokens with every token's logits (what the target runs to check T - 1 drafted
     tokens) over the median time of a one-token step, both after the same `context` tokens in

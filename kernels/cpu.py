@@ -696,8 +696,10 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
     positions (-1 = free slot); window <= 0 means none. score [G, S'] gets each slot's
     attention weights added (summed over the query heads of its KV head, query after query),
     unless it is empty ([G, 0]). Returns [T, Q, D]. The slots go in blocks of ATTENTION_BLOCK;
-    up to `threads` tasks share the (query, block, KV head) triples (a block's K/V rows of a KV
-    head are read once for the query heads that read it); the blocks' partial softmaxes are
+    up to `threads` tasks share the (block, query, KV head) triples, taking every threads-th, block
+    by block so that the full blocks spread evenly (a last block of a few slots costs little: in
+    query order, a draft's verification gave one task twice the other's work); a block's K/V rows
+    of a KV head are read once for the query heads that read it; the blocks' partial softmaxes are
     merged at the end, in order. The blocks' bounds depend on neither S nor T, so slots
     appended after a query's position (masked: a draft's verification) and the other queries
     change nothing in its result, to the bit."""
@@ -705,11 +707,11 @@ def attention_decode(q, k, v, q_pos, k_pos, scale, window, threads, score):
     G, S = k_pos.shape
     outs, tops, totals, probs = _partials(T, Q, D, S, score.shape[1] > 0)
     blocks = outs.shape[1]
-    items = T * blocks * G                  # (query, block, KV head)
+    items = T * blocks * G                  # (block, query, KV head)
     tasks = min(threads, items)
     for task in prange(tasks):
         for i in range(task, items, tasks):
-            t, b, g = i // (blocks * G), i // G % blocks, i % G
+            b, t, g = i // (T * G), i // G % T, i % G
             _attention_slots(q[t], k[g], v[g], k_pos[g], 0, q_pos[t], scale, window,
                              b * ATTENTION_BLOCK, min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK),
                              g, Q // G, outs[t, b], tops[t, b], totals[t, b], probs[t])
@@ -729,7 +731,7 @@ def attention_decode_q(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, wi
     tasks = min(threads, items)
     for task in prange(tasks):
         for i in range(task, items, tasks):
-            t, b, g = i // (blocks * G), i // G % blocks, i % G
+            b, t, g = i // (T * G), i // G % T, i % G
             _attention_qslots(q[t], kc, ks, vc, vs, fk, fv, where, q_pos[t], k_pos, scale,
                               window, b * ATTENTION_BLOCK,
                               min(S, b * ATTENTION_BLOCK + ATTENTION_BLOCK), g, outs[t, b],
