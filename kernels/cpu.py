@@ -907,13 +907,14 @@ def decode_layer_q(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
 # -- the backend ---------------------------------------------------------------------------------
 
 _NO_SCORES = np.zeros((1, 0), np.float32)
+_NO_SCALES = np.zeros(0, np.float32)          # gemv_rows of float weights
+
 # The thread counts last set: Numba's is each thread's own (get_num_threads costs a microsecond,
 # and a token reads the count ~35 times), BLAS's the process's; and the process's measures of the
 # free cores, by the most threads asked for.
 _numba_threads = threading.local()
 _SET = {"blas": None}
 _CORES: dict[int, cores.Cores] = {}
-_NO_SCALES = np.zeros(0, np.float32)          # gemv_rows of float weights
 
 
 def _scores(score):
