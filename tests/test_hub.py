@@ -268,8 +268,9 @@ def caches(hub, tmp_path):
     known = registry.KNOWN_MODELS[registry.DEFAULT_MODEL]
     ours = gguf / Path(known.member).name
     ours.write_bytes(b"GGUF" + bytes(2_000_000))
-    registry._write_record(ours, known.sha256, known.source)
+    registry._write_record(ours, known.sha256, known.source, wrote=True)
     (gguf / ".fetch-abc").mkdir()
+    (gguf / ".fetch-abc" / registry.FETCH_MARK).write_bytes(b"")
     (gguf / ".fetch-abc" / "partial").write_bytes(bytes(1000))
     (gguf / "mine.gguf").write_bytes(b"the user's own")
     snap = write_tiny_model(snapshot(hub, "org/tiny"))
@@ -303,3 +304,22 @@ def test_rm_asks_and_removes_only_tinyrt_copies(caches):
     assert p.returncode == 0, p.stderr
     assert sorted(p.name for p in caches.gguf.iterdir()) == ["mine.gguf"]
     assert sorted(p.name for p in caches.snap.iterdir()) == hf_before
+
+
+def test_a_damaged_hf_entry_is_one_row_of_the_list(caches):
+    """A repository of the Hugging Face cache whose refs/main is a folder, or not text: `tinyrt
+    list` shows it as damaged and lists the rest; `tinyrt rm` of a tinyrt copy still works."""
+    hub = registry.hf_hub_cache()
+    for repo, damage in [("org/folder", lambda f: f.mkdir()),
+                         ("org/binary", lambda f: f.write_bytes(b"\xff\x00" * 8))]:
+        snap = write_tiny_model(snapshot(hub, repo))
+        refs_main = snap.parent.parent / "refs" / "main"
+        refs_main.unlink(missing_ok=True)
+        damage(refs_main)
+    p = run_tinyrt("list", env=caches.env)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.strip()}
+    assert "huggingface" in rows["org/tiny"] and caches.known.name in rows
+    assert "damaged" in rows["org/folder"] and "damaged" in rows["org/binary"]
+    p = run_tinyrt("rm", caches.known.name, "-y", env=caches.env)
+    assert p.returncode == 0 and not caches.ours.exists(), p.stderr

@@ -121,9 +121,10 @@ def test_a_failed_pip_download_is_one_line(fake_known, monkeypatch):
 
 
 def test_the_cache_is_keyed_on_content(fake_known, monkeypatch):
-    """An unchanged cached file is trusted by its record (not hashed, not fetched again); a
-    changed one is fetched again; a file cached before records existed is hashed once; the same
-    content under another name is not stored twice."""
+    """An unchanged cached file is trusted by its record (not hashed, not fetched again); a file
+    cached before records existed is hashed once; a changed one is fetched again, under another
+    name (tinyrt does not write over a file it did not write as it is); the same content under
+    another name is not stored twice."""
     from tinyrt import registry
 
     downloads, hashes = [], []
@@ -137,15 +138,19 @@ def test_the_cache_is_keyed_on_content(fake_known, monkeypatch):
     assert registry.fetch_gguf(fake_known, quiet=True) == path
     assert len(downloads) == 1 and hashes == []               # the record vouches for it
 
-    good = path.read_bytes()
-    path.write_bytes(b"GGUF changed" + bytes(10))             # a changed file: not the model
-    assert registry.fetch_gguf(fake_known, quiet=True) == path
-    assert len(downloads) == 2 and path.read_bytes() == good
-
     Path(str(path) + ".json").unlink()                        # cached before records existed
     hashes.clear()
     assert registry.fetch_gguf(fake_known, quiet=True) == path
-    assert len(downloads) == 2 and hashes == [path] and Path(str(path) + ".json").is_file()
+    assert len(downloads) == 1 and hashes == [path] and Path(str(path) + ".json").is_file()
+
+    good = path.read_bytes()
+    path.write_bytes(b"GGUF changed" + bytes(10))             # a changed file: not the model,
+    again = registry.fetch_gguf(fake_known, quiet=True)       # nor tinyrt's to write over
+    assert len(downloads) == 2 and again.read_bytes() == good and again != path
+    assert path.read_bytes() == b"GGUF changed" + bytes(10)
+    assert registry.fetch_gguf(fake_known, quiet=True) == again and len(downloads) == 2
+    path.unlink()
+    path = again
 
     twin = registry.KnownModel(**{**fake_known.__dict__, "name": "twin",
                                   "member": "fakepkg/other-name.gguf"})
@@ -155,6 +160,56 @@ def test_the_cache_is_keyed_on_content(fake_known, monkeypatch):
     with pytest.raises(registry.NotFetched, match="tinyrt pull"):
         registry.fetch_gguf(registry.KnownModel(**{**fake_known.__dict__, "sha256": "0" * 64}),
                             download=False)
+
+
+def test_a_linked_cache_loses_nothing_that_is_not_tinyrts(fake_known, tmp_path):
+    """tinyrt's cache folder a link to a folder of the user's (a cache moved to another disk):
+    a fetch writes over none of its files, and `tinyrt rm --all` removes only what tinyrt wrote
+    there: not a file with a known model's name, nor one with a JSON file beside it (a record
+    of an earlier tinyrt's shape included), nor a link to a file elsewhere, nor a partial file
+    or a folder named like a fetch's."""
+    import json
+
+    from tinyrt import registry
+    from helpers import run_tinyrt
+
+    theirs, xdg = tmp_path / "theirs", tmp_path / "xdg"
+    theirs.mkdir()
+    xdg.mkdir()
+    (xdg / "tinyrt").symlink_to(theirs)
+    gguf = registry.gguf_dir()
+    gguf.mkdir()
+    default = registry.KNOWN_MODELS[registry.DEFAULT_MODEL]
+    (gguf / ".fetch-notes").mkdir()
+    files = {Path(default.member).name: b"the user's own file",
+             "model.gguf": b"GGUF the user's, named as the fetched file is",
+             "model.gguf.json": b'{"note": "the user\'s"}',
+             "X.gguf": b"GGUF the user's", "X.gguf.part": b"GGUF the user's partial",
+             ".fetch-notes/pip.log": b"the user's",
+             "old.gguf": b"GGUF the user's, with a record-like JSON"}
+    for name, data in files.items():
+        (gguf / name).write_bytes(data)
+    old = os.stat(gguf / "old.gguf")
+    (gguf / "old.gguf.json").write_text(json.dumps({"sha256": "0" * 64, "size": old.st_size,
+                                                    "mtime_ns": old.st_mtime_ns, "source": "x"}))
+    (gguf / "X.gguf.json").write_text(json.dumps({"sha256": "0" * 64}))
+    elsewhere = tmp_path / "elsewhere.gguf"
+    elsewhere.write_bytes(b"GGUF elsewhere")
+    (gguf / Path(fake_known.member).with_suffix(".part.gguf").name).symlink_to(elsewhere)
+    before = {p: p.read_bytes() for p in [*theirs.rglob("*"), elsewhere] if p.is_file()}
+
+    path = registry.fetch_gguf(fake_known, quiet=True)
+    assert path.parent == gguf and path.name != "model.gguf"
+    assert path.read_bytes().startswith(b"GGUF") and registry._ours(path)
+    env = {"XDG_CACHE_HOME": str(xdg), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    listed = run_tinyrt("list", env=env)
+    assert listed.returncode == 0 and path.name in listed.stdout, listed.stderr
+    assert not any(f" {name} " in listed.stdout for name in files), listed.stdout
+    p = run_tinyrt("rm", "--all", "-y", env=env)
+    assert p.returncode == 0 and "removed" in p.stdout, p.stderr
+    assert not path.exists() and not Path(str(path) + ".json").exists()
+    assert {p: p.read_bytes() for p in before} == before
+    assert {p for p in [*theirs.rglob("*"), elsewhere] if p.is_file()} == set(before)
 
 
 def test_resolve_names_known_models_and_suggests(fake_known):

