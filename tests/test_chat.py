@@ -237,6 +237,17 @@ def test_save_and_load(tiny, tmp_path):
     with pytest.raises(TinyrtError, match="cannot save"):
         chat.save(tmp_path / "no such dir" / "c.json")
     assert other.history[-2]["content"] == "two"            # a failed load changes nothing
+    # a file or a link named as a temporary file of the save's would be: neither written nor
+    # removed (the temporary file has a name of its own)
+    (tmp_path / "c.json.tmp").write_text("the user's")
+    (tmp_path / "elsewhere").write_text("the user's too")
+    (tmp_path / "d.json.tmp").symlink_to(tmp_path / "elsewhere")
+    for name in ("c.json", "d.json"):
+        chat.save(tmp_path / name)
+        other.load(tmp_path / name)
+    assert (tmp_path / "c.json.tmp").read_text() == "the user's"
+    assert (tmp_path / "elsewhere").read_text() == "the user's too"
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("name", ["", "  ", "a\0b", "~no_such_user_here/c.json", "/", "DIR",
@@ -264,7 +275,8 @@ def test_save_and_load_odd_paths(tiny, tmp_path, name):
             chat.save(name)
         assert "\n" not in str(e.value)
     assert chat.history == history
-    assert not list(tmp_path.glob("*.tmp")) and os.path.exists("/dev/zero")
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+    assert os.path.exists("/dev/zero")
 
 
 def test_a_model_without_a_chat_template(tiny, tmp_path):

@@ -146,21 +146,27 @@ class ChatSession:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the conversation (system message, turns, settings) as JSON; returns the path.
-        Written to a temporary file, then renamed: an existing file is replaced whole or kept
-        (only a regular file is replaced)."""
+        Written to a new temporary file beside it (of a name no other file has), then renamed:
+        an existing file is replaced whole or kept (only a regular file is replaced)."""
+        import tempfile
+
         path = _path(path)
         data = {"format": FORMAT, "version": 1, "system": self.system, "messages": self.messages,
                 "settings": self.settings}
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = None
         try:
             if path.exists() and not path.is_file():     # a directory, a FIFO, a device
                 raise OSError(errno.EEXIST, "it exists and is not a regular file")
-            tmp.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(data, ensure_ascii=False, indent=1))
             os.replace(tmp, path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise TinyrtError(f"cannot save the conversation to {path}: {e.strerror or e}") from None
+        except (OSError, ValueError) as e:               # ValueError: a NUL in the name
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise TinyrtError(f"cannot save the conversation to {path}: "
+                              f"{getattr(e, 'strerror', None) or e}") from None
         return path
 
     def load(self, path: str | os.PathLike) -> None:
