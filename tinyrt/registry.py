@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from tinyrt.errors import TinyrtError
-from tinyrt.paths import read_json, read_text, shown, stat_or_none, user_path
+from tinyrt.paths import open_regular, read_json, read_text, shown, stat_or_none, user_path
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,10 @@ def _ours(path: Path) -> bool:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
+    # (a FIFO swapped in for the file checked before would block a plain open)
+    f, _ = open_regular(path, "the cached")
     try:
-        with open(path, "rb") as f:
+        with f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
     except OSError as e:
@@ -187,6 +189,7 @@ def _write_record(path: Path, sha256: str, source: str, wrote: bool,
     except OSError:
         return
     try:
+        os.fchmod(fd, 0o644)                   # as a file written plainly (mkstemp's is 0600)
         with os.fdopen(fd, "w") as f:
             json.dump({"written_by": "tinyrt", "wrote": wrote, "sha256": sha256,
                        "size": info.st_size, "mtime_ns": info.st_mtime_ns,
