@@ -31,6 +31,7 @@ from tinyrt.models.families import gguf_family
 from tinyrt.models.gguf_quants import FORMS, GGUF_TO_QUANT, to_quant
 from tinyrt.models.llama import GGUF_GLOBAL, GGUF_LAYER
 from tinyrt.models.weights import ModelWeights, held_layers, release_pages
+from tinyrt.paths import open_regular
 
 Q = GGMLQuantizationType
 V = GGUFValueType
@@ -260,14 +261,21 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not self.path.is_file():
+        # (a directory, a FIFO, a device or a symlink loop under the name: one line, no hang)
+        opened = open_regular(self.path, missing_ok=True, error=ModelFormatError)
+        if opened is None:
             raise ModelFormatError(f"{self.path} is missing")
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise ModelFormatError(f"{self.path} is not a GGUF file (bad magic {magic!r})")
-        size = self.path.stat().st_size
-        self._bytes = np.memmap(self.path, np.uint8, mode="r").view(np.ndarray)
+        f, info = opened
+        size = info.st_size
+        with f:
+            try:
+                magic = f.read(4)
+                if magic != b"GGUF":
+                    raise ModelFormatError(f"{self.path} is not a GGUF file (bad magic {magic!r})")
+                # mapped from the descriptor checked above, not from the path opened again
+                self._bytes = np.memmap(f, np.uint8, mode="r").view(np.ndarray)
+            except OSError as e:    # /proc/self/mem: a "regular file" that cannot be read
+                raise ModelFormatError(f"cannot read {self.path}: {e.strerror or e}") from None
         try:
             self.version, self.metadata, self.tensors, self.alignment = _parse(
                 memoryview(self._bytes), size)
@@ -538,7 +546,7 @@ class GGUFWeights(ModelWeights):
         g.drop_arrays("tokenizer.")        # the tokenizer reads the file on its own
         self.check_shapes(g.hf_shapes())
         self._quantized = bool(g.layer_types() & set(GGUF_TO_QUANT))
-        self.nbytes = g.path.stat().st_size
+        self.nbytes = g._bytes.nbytes        # (the file as mapped: no second look at the path)
 
     config_name = "its metadata"
 

@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from tinyrt.errors import ModelFormatError
+from tinyrt.paths import open_regular, read_json
 
 # safetensors dtype -> numpy dtype. BF16 has no numpy type: it is read as uint16 bits.
 DTYPES = {
@@ -45,21 +46,29 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            raise ModelFormatError(f"{self.path} is missing") from None
+        # (a directory, a FIFO, a device or a symlink loop under the name: one line, no hang)
+        opened = open_regular(self.path, missing_ok=True, error=ModelFormatError)
+        if opened is None:
+            raise ModelFormatError(f"{self.path} is missing")
+        f, info = opened
+        size = info.st_size
         bad = f"{self.path} is not a safetensors file"
-        if size < 8:
-            raise ModelFormatError(f"{bad} (only {size} bytes)")
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(MAX_HEADER, size - 8):
-                raise ModelFormatError(f"{bad} (header length {n} exceeds the file)")
-            raw = f.read(n)
+        with f:
+            if size < 8:
+                raise ModelFormatError(f"{bad} (only {size} bytes)")
+            try:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > min(MAX_HEADER, size - 8):
+                    raise ModelFormatError(f"{bad} (header length {n} exceeds the file)")
+                raw = f.read(n)
+                # mapped from the descriptor checked above, not from the path opened again
+                mapped = np.memmap(f, dtype=np.uint8, mode="r") if size > 8 + n else None
+            except (OSError, struct.error) as e:   # struct.error: it shrank meanwhile
+                raise ModelFormatError(f"cannot read {self.path}: "
+                                       f"{getattr(e, 'strerror', None) or e}") from None
         try:
             header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (ValueError, RecursionError):   # RecursionError: nested too deep
             raise ModelFormatError(f"{bad} (header is not JSON)") from None
         if not isinstance(header, dict):
             raise ModelFormatError(f"{bad} (header is not a JSON object)")
@@ -88,7 +97,7 @@ class SafetensorsFile:
                     f"{self.path}: tensor {name!r} ({dtype} {list(shape)}) lies outside the file "
                     f"or has the wrong byte count; the file may be truncated")
             self.entries[name] = (dtype, shape, 8 + n + begin, nbytes)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > 8 + n else None
+        self._map = mapped
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -124,8 +133,10 @@ class WeightStore:
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"
         single = self.directory / "model.safetensors"
-        if index.exists():
-            files = self._shards(index)
+        # read as any JSON file of a model (a FIFO, a loop or a nesting too deep: one line)
+        weight_map = read_json(index, missing_ok=True, error=ModelFormatError)
+        if weight_map is not None:
+            files = self._shards(index, weight_map)
         elif single.exists():
             files = ["model.safetensors"]
         else:
@@ -139,11 +150,11 @@ class WeightStore:
             for k in f.keys():
                 self._where[k] = f
 
-    def _shards(self, index: Path) -> list[str]:
+    def _shards(self, index: Path, contents: dict) -> list[str]:
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = contents["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except (KeyError, TypeError, AttributeError):
             raise ModelFormatError(f"{index} is not a valid safetensors index") from None
         for name in names:
             # A shard name comes from a downloaded file: it must name a file in this directory.

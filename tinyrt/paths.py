@@ -10,12 +10,14 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from tinyrt.errors import ModelFormatError, TinyrtError
 
 MAX_TEXT_BYTES = 256 << 20       # a text to tokenize whole (ppl --text, convert --calib)
 MAX_JSON_BYTES = 64 << 20        # a config file (config.json, tokenizer_config.json, ...)
 MAX_TOKENIZER_BYTES = 256 << 20  # tokenizer.json / tokenizer.model: the largest vocabularies
+MAX_JSON_DEPTH = 100             # a config file's nesting (Hugging Face's nest 3 or 4 levels)
 
 
 def shown(path: str | os.PathLike) -> str:
@@ -65,16 +67,26 @@ def _not_regular(info: os.stat_result) -> str:
     return f"it is {kind}, not a regular file"
 
 
-def read_bytes(path: str | os.PathLike, what: str | None = None, limit: int = MAX_TEXT_BYTES,
-               *, missing_ok: bool = False, error: type[TinyrtError] = TinyrtError
-               ) -> bytes | None:
-    """The contents of a regular file of at most `limit` bytes (None for a missing one where
-    `missing_ok`); `error` (a TinyrtError class) with one line otherwise."""
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str | os.PathLike, what: str | None = None, *, missing_ok: bool = False,
+                 error: type[TinyrtError] = TinyrtError
+                 ) -> tuple[BinaryIO, os.stat_result] | None:
+    """A regular file opened to read (binary), with the status of the open file: the one way
+    tinyrt opens a file it reads (text, JSON, weights, GGUF). None for a missing one where
+    `missing_ok`; `error` (a TinyrtError class) with one line for anything else: a directory, a
+    FIFO, a device, a socket, a symlink loop, no permission. Read errors after the open (EIO, as
+    /proc/self/mem gives) are the caller's OSError to turn into one line."""
     label = _label(path, what)
     try:
-        # O_NONBLOCK: opening a FIFO with no writer would wait forever. The kind and size are
-        # checked on the open descriptor, so nothing swapped in after the check is read.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        # checked before the open too: opening a device may itself do something (a tape rewinds)
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"cannot read {label}: {_not_regular(info)}")
+        # O_NONBLOCK: a FIFO swapped in after the check would wait forever for a writer; the
+        # kind is checked again on the open descriptor, which is what gets read
+        fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
         if missing_ok:
             return None
@@ -85,19 +97,34 @@ def read_bytes(path: str | os.PathLike, what: str | None = None, limit: int = MA
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise error(f"cannot read {label}: {_not_regular(info)}")
+        return os.fdopen(fd, "rb"), info
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bytes(path: str | os.PathLike, what: str | None = None, limit: int = MAX_TEXT_BYTES,
+               *, missing_ok: bool = False, error: type[TinyrtError] = TinyrtError
+               ) -> bytes | None:
+    """The contents of a regular file of at most `limit` bytes (None for a missing one where
+    `missing_ok`); `error` (a TinyrtError class) with one line otherwise."""
+    label = _label(path, what)
+    opened = open_regular(path, what, missing_ok=missing_ok, error=error)
+    if opened is None:
+        return None
+    f, info = opened
+    with f:
         if info.st_size > limit:
             raise error(f"cannot read {label}: {info.st_size:,} bytes, more than the "
                         f"{limit:,} it may have")
-        with open(fd, "rb", closefd=False) as f:
+        try:
             # read(n) allocates n bytes up front: ask for the size the file has, not the limit
             want = min(info.st_size, limit) + 1
             data = f.read(want)
             if len(data) == want < limit + 1:   # longer than it said (it grew, or /proc's size 0)
                 data += f.read(limit + 1 - want)
-    except OSError as e:
-        raise error(f"cannot read {label}: {_reason(e)}") from None
-    finally:
-        os.close(fd)
+        except OSError as e:
+            raise error(f"cannot read {label}: {_reason(e)}") from None
     if len(data) > limit:                  # it grew after the check
         raise error(f"cannot read {label}: more than the {limit:,} bytes it may have")
     return data
@@ -124,8 +151,26 @@ def read_json(path: str | os.PathLike, what: str | None = None, limit: int = MAX
         return None
     try:
         obj = json.loads(text)
-    except (ValueError, RecursionError) as e:   # ValueError: also a number of too many digits
+    except RecursionError:
+        raise error(f"{_label(path, what)} is not valid JSON (nested too deeply)") from None
+    except ValueError as e:                 # ValueError: also a number of too many digits
         raise error(f"{_label(path, what)} is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(obj, dict):
         raise error(f"{_label(path, what)} must hold a JSON object")
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise error(f"{_label(path, what)} nests more than {MAX_JSON_DEPTH} levels deep")
     return obj
+
+
+def _depth(obj) -> int:
+    """How deep JSON containers nest in `obj` (an object of scalars: 1), without recursion:
+    what parsed just under the interpreter's limit would break a later deep copy or repr."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > MAX_JSON_DEPTH:
+            break
+        stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o)
+                     if isinstance(v, (dict, list)))
+    return deepest
