@@ -1,6 +1,7 @@
 """Writing a model directory atomically: everything goes into a hidden temporary directory beside
 the target, which is renamed into place only when complete. An interrupted conversion leaves the
-old output (or none), never a half-written one; temporaries of dead runs are swept up.
+old output (or none), never a half-written one; temporaries of dead runs (each marked as
+tinyrt's by a manifest from the start) are swept up.
 
 Every output holds MANIFEST, the names and sizes of the files tinyrt wrote into it. `--force`
 replaces only such a directory, holding nothing but those files, and never one that is or holds
@@ -131,7 +132,7 @@ def sweep_stale(target: Path) -> None:
         kind, _, pid = name[len(prefix):].rpartition("-")
         if not pid.isdigit() or _pid_alive(int(pid)) or p.is_symlink() or not p.is_dir():
             continue
-        if kind == "tmp":
+        if kind == "tmp" and _manifest(p) is not None:     # marked as tinyrt's when made
             shutil.rmtree(p, ignore_errors=True)
         elif kind == "old":
             _remove_output(p)
@@ -151,11 +152,18 @@ def atomic_directory(out: str | Path, force: bool = False, src: str | Path | Non
         raise TinyrtError(f"cannot create {shown(out)}: {e.strerror or e}") from None
     sweep_stale(target)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)      # this process's own, from an earlier call
+    if not tmp.is_symlink() and _manifest(tmp) is not None:
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an earlier call
     try:
         tmp.mkdir()
+    except OSError as e:                         # there, and not tinyrt's: left as it is
+        raise TinyrtError(f"cannot write {shown(out)}: {shown(tmp)}: {e.strerror or e}") from None
+    try:
+        # a manifest of no files from the start: what a killed run leaves is known as tinyrt's
+        (tmp / MANIFEST).write_text(json.dumps({"written_by": WRITTEN_BY, "files": {}}),
+                                    encoding="utf-8")
         yield tmp
-        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name != MANIFEST}
         (tmp / MANIFEST).write_text(json.dumps({"written_by": WRITTEN_BY, "files": files},
                                                indent=1) + "\n", encoding="utf-8")
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
