@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from tinyrt.errors import ModelFormatError, TinyrtError
+from tinyrt.errors import ModelFormatError, TinyrtError, check_int, shown
 from tinyrt.kernels import awq_layout
 from tinyrt.models import ModelConfig, expected_shapes, linear_shapes
 from tinyrt.models.weights import held_layers, write_safetensors
@@ -205,9 +205,17 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
         raise TinyrtError(f"unknown dtype {dtype!r} (choose f16 or f32)")
     if method != "none" and bits != 4:
         raise TinyrtError("only 4-bit weights are supported (--w-bit 4)")
+    # every number checked before any arithmetic (the calibration's size divides by the
+    # sequence length; a seed past 64 bits or below 0 is NumPy's error, not the user's)
+    if group_size is not None:
+        check_int("--group-size", group_size, 1, 1 << 16)
+    if calib_samples is not None:
+        check_int("--calib-samples", calib_samples, 1, 1 << 20)
+    check_int("--calib-seqlen", calib_seqlen, 2, 1 << 20)
+    check_int("--seed", seed, 0, 2**64 - 1)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise TinyrtError(f"the shard size must be a positive number of bytes, "
-                          f"not {max_shard_bytes!r}")
+                          f"not {shown(max_shard_bytes)}")
     src, out = user_path(src, "SRC"), user_path(out, "OUT")
     check_output(out, force, src)       # at once, before the source is read
     source = open_source(src)

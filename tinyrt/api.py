@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from tinyrt.errors import ModelFormatError, TinyrtError
+from tinyrt.errors import ModelFormatError, TinyrtError, shown
 
 from .chat_template import template_from_config
 from .generate import Generation, Response
@@ -52,7 +52,7 @@ def check_runtime(threads: int | None = None, draft_tokens: int | None = None) -
                 or not 1 <= value <= high:
             where = " (the CPUs this process may use)" if flag == "--threads" else ""
             raise TinyrtError(f"{flag} must be a whole number from 1 to {high}{where}, "
-                              f"got {value!r:.40}")
+                              f"got {shown(value)}")
 
 
 def _cache_options(cache: CacheOptions | None = None, **fields) -> CacheOptions:

@@ -12,7 +12,7 @@ import statistics
 
 import numpy as np
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, shown
 from tinyrt.sampling import option_name
 
 MAX_TOKENS = 1 << 17     # prompt or decoded tokens: a cache of their sum is allocated
@@ -27,7 +27,7 @@ def check_args(prompt_tokens, decode_tokens, runs, *, flags: bool = False) -> No
         name = option_name(key, flags)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
                 or not 1 <= value <= high:
-            raise TinyrtError(f"{name} must be an integer in [1, {high}], got {value!r:.40}")
+            raise TinyrtError(f"{name} must be an integer in [1, {high}], got {shown(value)}")
 
 
 def weight_bytes(model) -> int:

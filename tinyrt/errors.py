@@ -1,4 +1,5 @@
-"""The one error type that reaches users, and the "did you mean" its messages offer.
+"""The one error type that reaches users, the "did you mean" its messages offer, how they show a
+caller's value, and the check of a caller's whole numbers.
 
 A leaf module (nothing of the package imported), so that every layer (models, converters, engine,
 front ends) can raise it without an arrow pointing back up. Front ends print `str(err)` as one line
@@ -25,3 +26,28 @@ def closest(name: str, known) -> str | None:
 
     close = difflib.get_close_matches(name, list(known), n=1)
     return close[0] if close else None
+
+
+def shown(value, limit: int = 40) -> str:
+    """`value` as a one-line message shows it: its repr, cut to `limit` characters. An integer
+    of thousands of digits (a hostile option) is cut before it is written out in full, which
+    Python refuses past 4,300 digits (a ValueError in place of the message)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        digits = int(value.bit_length() * 0.30103) + 1          # (log10 2: to within one)
+        return f"{'a negative' if value < 0 else 'an'} integer of about {digits:,} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """`value` as an int where it is a whole number in [low, high] (high None: no bound above),
+    else a TinyrtError naming `name`: the one check of a caller's whole numbers, before any
+    arithmetic on them (a huge one overflows a float or a C integer; a float or a bool is not
+    a count)."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or value < low or high is not None and value > high:
+        bound = f"from {low:,} to {high:,}" if high is not None else f"of at least {low:,}"
+        raise TinyrtError(f"{name} must be a whole number {bound}, not {shown(value)}")
+    return int(value)

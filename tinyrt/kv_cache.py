@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tinyrt.errors import CacheFullError, TinyrtError
+from tinyrt.errors import CacheFullError, TinyrtError, shown
 from tinyrt.kernels import kv_quant
 from tinyrt.memory import ensure_fits, parse_size
 
@@ -95,7 +95,7 @@ class CacheOptions:
             if isinstance(self.kv_mem, bool) or not isinstance(self.kv_mem, (int, str)):
                 raise TinyrtError(f"the KV cache's memory must be bytes or a size such as 512MB, "
                                   f"not {self.kv_mem!r}")
-            object.__setattr__(self, "kv_mem", parse_size(self.kv_mem))
+            object.__setattr__(self, "kv_mem", parse_size(self.kv_mem, "--kv-mem"))
         # whole numbers in their ranges (None: the default, where there is one)
         for name, low, high, optional in (
                 ("kv_size", 1, MAX_SIZE, True), ("sinks", 0, MAX_SIZE, False),
@@ -107,7 +107,7 @@ class CacheOptions:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
                     or not low <= value <= high:
                 raise TinyrtError(f"--{name.replace('_', '-')} must be a whole number from {low} "
-                                  f"to {high:,}, not {value!r:.40}")
+                                  f"to {high:,}, not {shown(value)}")
             object.__setattr__(self, name, int(value))
         if self.kv_policy != "dense" and self.kv_size is not None:
             self.check_size(self.kv_size, self.recent if self.kv_policy == "h2o" else None)

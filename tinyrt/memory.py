@@ -7,18 +7,33 @@ from __future__ import annotations
 import os
 import re
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, shown
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1000000' -> bytes (TinyrtError if not a positive size)."""
+# The largest size taken (1 EiB, more than any machine's memory or disk): a larger one, and
+# the infinity that float() makes of a few hundred digits, is refused before any arithmetic.
+MAX_SIZE = 2**60
+
+
+def parse_size(text: str | int, name: str | None = None) -> int:
+    """'5GB', '500MB', '2GiB', '1000000' (or an int) -> bytes (TinyrtError if not a positive size
+    of at most MAX_SIZE, naming the option `name` where given)."""
+    where = f"{name}: " if name else ""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if not 1 <= text <= MAX_SIZE:
+            raise TinyrtError(f"{where}a size must be from 1 byte to {MAX_SIZE:,} bytes (1 EiB), "
+                              f"not {shown(text)}")
+        return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m[2].lower() not in _UNITS or float(m[1]) * _UNITS[m[2].lower()] < 1:
-        raise TinyrtError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB)")
-    return int(float(m[1]) * _UNITS[m[2].lower()])
+        raise TinyrtError(f"{where}{shown(text)} is not a size (e.g. 5GB, 500MB, 2GiB)")
+    size = float(m[1]) * _UNITS[m[2].lower()]
+    if not size <= MAX_SIZE:                 # (inf from a number of over 308 digits)
+        raise TinyrtError(f"{where}{shown(text)} is more than the largest size taken, 1 EiB")
+    return int(size)
 
 
 def available_bytes() -> int | None:

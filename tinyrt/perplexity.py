@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, shown
 
 from .kv_cache import CacheOptions, make_cache
 
@@ -67,7 +67,7 @@ def check_options(ctx: int = 2048, max_windows: int | None = None,
                                ("--max-tokens", max_tokens, 2), ("skip", skip, 0)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < least):
-            raise TinyrtError(f"{flag} must be a whole number of at least {least}, not {value!r}")
+            raise TinyrtError(f"{flag} must be a whole number of at least {least}, not {shown(value)}")
 
 
 def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
@@ -76,7 +76,7 @@ def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
     cfg = llm.config
     check_options(ctx, max_windows)
     if ctx > cfg.max_position_embeddings:
-        raise TinyrtError(f"--ctx {ctx} exceeds the model's context of "
+        raise TinyrtError(f"--ctx {shown(ctx)} exceeds the model's context of "
                           f"{cfg.max_position_embeddings} tokens")
     ids = np.asarray(llm.tokenizer.encode(text, add_special=True), dtype=np.int64)
     windows = len(ids) // ctx

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tinyrt.errors import TinyrtError, closest
+from tinyrt.errors import TinyrtError, closest, shown
 
 # Below this a temperature is taken as 0 (greedy): its distribution is the argmax's to within
 # float32 logits' precision, and dividing by it overflows (a float32 device sampler even rounds
@@ -31,7 +31,9 @@ MAX_REPEAT_LAST_N = 1 << 16  # ids a penalty looks back over (a buffer of them o
 # they are checked: `check_settings` for a caller's options, `SamplingParams` for the sampler.
 RULES = {
     "temperature": (False, lambda v: v >= 0, "a number >= 0 (0: greedy)"),
-    "top_k": (True, lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    # (bounded as max_tokens is, far above any vocabulary: a k of hundreds of digits is a
+    # mistake, not a wish for every token)
+    "top_k": (True, lambda v: 0 <= v <= MAX_TOKENS, f"an integer in [0, {MAX_TOKENS}] (0: off)"),
     "top_p": (False, lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)"),
     "min_p": (False, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)"),
     # (outside it the penalized logits overflow float32)
@@ -78,8 +80,7 @@ def option_name(key: str, flags: bool = False) -> str:
 
 def _show(value: Any) -> str:
     """A value for a one-line message, cut short."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return shown(value)
 
 
 def check_value(key: str, value: Any, name: str | None = None) -> Any:
@@ -103,7 +104,8 @@ def check_value(key: str, value: Any, name: str | None = None) -> Any:
         v = int(value) if integer else float(value)
     except OverflowError:                    # an int past float's range
         v = math.inf
-    if not math.isfinite(v) or not ok(v):
+    # (an int is compared as it is: math.isfinite of one past float's range overflows)
+    if not integer and not math.isfinite(v) or not ok(v):
         raise SettingError(name, f"{name} must be {rule}, got {_show(value)}")
     if key == "temperature" and v < MIN_TEMPERATURE:
         return 0.0

@@ -30,7 +30,7 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -290,7 +290,8 @@ class Server:
                   Route("/v1/completions", self.completions, methods=["POST"])]
         return Starlette(routes=routes, lifespan=self._lifespan,
                          exception_handlers={APIError: self._error, 404: self._not_found,
-                                             405: self._not_allowed, Exception: self._bug})
+                                             405: self._not_allowed, Exception: self._bug,
+                                             ClientDisconnect: self._gone})
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -319,6 +320,12 @@ class Server:
 
     async def _error(self, request: Request, exc: APIError) -> Response:
         return exc.response()
+
+    async def _gone(self, request: Request, exc: ClientDisconnect) -> Response:
+        # a client that went away while it sent its body (a slow or cancelled upload) is no
+        # fault of the server's: nothing to log (as starlette's default handler, the
+        # exception's traceback, once for each), and no one to answer
+        return Response(status_code=499)
 
     async def _bug(self, request: Request, exc: Exception) -> Response:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
@@ -352,7 +359,10 @@ class Server:
         # a body over the limit is read to its end (and dropped) before the 413, up to DRAIN
         # bytes: a client gets its answer rather than a broken pipe while it still sends
         length = request.headers.get("content-length", "")
-        size, data = int(length) if length.isdigit() else 0, bytearray()
+        # (ASCII digits only: str.isdigit takes '²', which int() refuses; 19 digits are over
+        # DRAIN already, and int() refuses over 4,300)
+        digits = length.isascii() and length.isdigit()
+        size, data = int(length[:19]) if digits else 0, bytearray()
         if size <= DRAIN:
             size = 0
             async for chunk in request.stream():
@@ -365,7 +375,9 @@ class Server:
             raise APIError(413, f"the request body is over {self.max_body:,} bytes, the most "
                                 "this server takes", code="body_too_large")
         try:
-            body = json.loads(data, parse_constant=_no_constant)
+            body = json.loads(data, parse_constant=_no_constant, parse_int=_json_int)
+        except _LongInteger as e:
+            raise APIError(400, str(e), code="invalid_value") from None
         except (ValueError, RecursionError):
             raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
         if not isinstance(body, dict):
@@ -447,6 +459,20 @@ class Server:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
+
+
+class _LongInteger(ValueError):
+    """A JSON integer longer than Python converts (4,300 digits)."""
+
+
+def _json_int(text: str) -> int:
+    # (a number of thousands of digits is valid JSON, and out of every field's range: its
+    # field's check refuses it by name where Python converts it, and here where it does not)
+    try:
+        return int(text)
+    except ValueError:
+        raise _LongInteger(f"the request body has an integer of {len(text):,} digits, "
+                           "more than any field takes") from None
 
 
 async def _items(request: Request, job: Job, engine: Engine) -> AsyncIterator:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tinyrt.converters import calibration
 
+from .options import whole
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert a GGUF file or HF directory",
@@ -22,22 +24,22 @@ def add_parser(sub) -> None:
     p.add_argument("--method", choices=["awq", "rtn", "none"], default="awq")
     p.add_argument("--dtype", choices=["f16", "f32"], default="f16",
                    help="dtype of float tensors (all weights with --method none)")
-    p.add_argument("--w-bit", type=int, default=4, help="weight bits (4)")
-    p.add_argument("--group-size", type=int, default=None,
+    p.add_argument("--w-bit", type=whole, default=4, help="weight bits (4)")
+    p.add_argument("--group-size", type=whole, default=None,
                    help="input channels per quantization group (default: 128, or the largest of "
                         "64 and 32 that divides every layer)")
     c = p.add_argument_group("AWQ calibration")
     c.add_argument("--calib", default=None, metavar="FILE",
                    help="plain text or JSON lines with a 'text' field (default: the Python "
                         "documentation shipped with Python)")
-    c.add_argument("--calib-samples", type=int, default=None, metavar="N",
+    c.add_argument("--calib-samples", type=whole, default=None, metavar="N",
                    help=f"calibration sequences (default: {calibration.DEFAULT_RULE}, "
                         f"{calibration.MIN_SAMPLES} to {calibration.PAPER_SAMPLES}, the AWQ "
                         "paper's size)")
-    c.add_argument("--calib-seqlen", type=int, default=calibration.DEFAULT_SEQLEN, metavar="N",
+    c.add_argument("--calib-seqlen", type=whole, default=calibration.DEFAULT_SEQLEN, metavar="N",
                    help="tokens per calibration sequence (default %(default)s)")
     c.add_argument("--no-clip", action="store_true", help="skip the clipping search")
-    c.add_argument("--seed", type=int, default=0, help="seed for choosing calibration samples")
+    c.add_argument("--seed", type=whole, default=0, help="seed for choosing calibration samples")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="most bytes of weights per safetensors file (e.g. 2GB, 500MB; default "
                         "%(default)s); a larger model is written in shards with an index")
@@ -79,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
     from tinyrt.paths import user_path
     from tinyrt.registry import NotFetched, resolve
 
-    shard_bytes = parse_size(args.max_shard_size)
+    shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
     try:
         src = resolve(args.src, what="SRC", download=False)
     except NotFetched:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, shown
 from tinyrt.kernels import DEVICES
 from tinyrt.sampling import (DEFAULT_REPEAT_PENALTY, SamplingParams, check_settings,
                              is_text)
@@ -31,16 +32,39 @@ def model_spec(args: argparse.Namespace):
     return given.pop() if given else None
 
 
+# An integer as Python writes one (int() takes the same): an option's value in this form is never
+# read as a float, not even where int() refuses it (over 4,300 digits), where float() would make
+# it inf and the message would name a value the user did not give.
+_INTEGER = re.compile(r"\s*[+-]?\d+(?:_\d+)*\s*")
+
+
 def number(text: str):
     """An option's value as an int, else a float, else the text as given: the option's own
     check (sampling.check_settings, bench.check_args) says what is wrong with it, in the words
-    it uses for every front end."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    it uses for every front end. The one parse of the numbers of the options that take ints or
+    floats (whole numbers have `whole`); the checks take any size of int and nan or inf."""
+    try:
+        return int(text)
+    except ValueError:
+        if _INTEGER.fullmatch(text):          # (too long for int(): out of every range)
+            return text
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def whole(text: str) -> int:
+    """An option's value as an int (argparse's `type` for whole-number options): the one parse of
+    them, its refusal one line that shows the value cut short; the range is the option's own
+    check's (kv_cache.CacheOptions, api.check_runtime, ...), which takes an int of any size."""
+    value = number(text)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and _INTEGER.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"{shown(value.strip())} is out of range "
+                                         f"({len(value.strip()):,} digits)")
+    raise argparse.ArgumentTypeError(f"not a whole number: {shown(text)}")
 
 
 def text_arg(value: str | None, name: str) -> str | None:
@@ -111,7 +135,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 def add_runtime_options(g) -> None:
     """Where and how the weights run: --device, --threads, --dtype."""
     g.add_argument("--device", choices=DEVICES, default="auto")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=whole, default=None,
                    help="the most threads of the CPU kernels, 1 to the CPUs this process may use "
                         "(default: all of them); fewer while other programs keep cores busy")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
@@ -130,7 +154,7 @@ def add_draft_options(g) -> None:
                    help="speculative decoding: a draft model with the same vocabulary, 'lookup' "
                         "(drafts copied from earlier text: replies that quote the prompt) or "
                         "'layers:N' (the model's own first N layers)")
-    g.add_argument("--draft-tokens", type=int, default=MAX_GAMMA,
+    g.add_argument("--draft-tokens", type=whole, default=MAX_GAMMA,
                    help=f"most tokens drafted per step; the number adapts, and a draft model "
                         f"stops sooner where it is unsure (default {MAX_GAMMA})")
 
@@ -143,27 +167,27 @@ def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
                    help="KV cache policy: dense (fill, then stop), sink (StreamingLLM: keep the "
                         "first --sinks tokens and a ring of the most recent; streams forever) or "
                         f"h2o (sinks, --recent tokens and the heavy hitters; streams) (default {policy})")
-    g.add_argument("--kv-size", type=int, default=None,
+    g.add_argument("--kv-size", type=whole, default=None,
                    help="KV cache size in tokens" + (f" (default {size})" if size else
                                                      " (default: the model context, at most 4096)"))
     g.add_argument("--kv-mem", default=None, metavar="SIZE",
                    help="KV cache size as memory, e.g. 512MB or 2GiB: as many tokens as fit "
                         "(instead of --kv-size)")
     g.set_defaults(kv_size_default=size)
-    g.add_argument("--sinks", type=int, default=4,
+    g.add_argument("--sinks", type=whole, default=4,
                    help="attention sinks kept by sink and h2o (default 4; 0 with sink: a sliding window)")
-    g.add_argument("--recent", type=int, default=None,
+    g.add_argument("--recent", type=whole, default=None,
                    help="recent tokens kept by h2o (default 64, at most half of the cache less "
                         "the sinks; the rest holds the heavy hitters)")
     g.add_argument("--kv-type", choices=list(KV_TYPES), default="f16",
                    help="KV cache element type: f16, f32, or KIVI codes of 8, 4 or 2 bits, keys "
                         "per channel and values per token (q4: a quarter of f16's memory) "
                         "(default f16)")
-    g.add_argument("--kv-group", type=int, default=None,
+    g.add_argument("--kv-group", type=whole, default=None,
                    help="q8/q4/q2: tokens per key scale and channels per value scale, a power "
                         "of two (default " + ", ".join(f"{t} {n}" for t, n in DEFAULT_GROUPS.items())
                         + ")")
-    g.add_argument("--kv-residual", type=int, default=DEFAULT_RESIDUAL,
+    g.add_argument("--kv-residual", type=whole, default=DEFAULT_RESIDUAL,
                    help="q8/q4/q2: the most recent tokens kept in float16 until a group of them "
                         f"is full (default {DEFAULT_RESIDUAL})")
 

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from .options import (add_cache_options, add_model_option, add_runtime_options, cache_options,
-                      load_llm, load_options)
+                      load_llm, load_options, whole)
 
 
 def add_parser(sub) -> None:
@@ -17,14 +17,14 @@ def add_parser(sub) -> None:
                                    "through a KV cache of --kv-policy and --kv-size.")
     add_model_option(p, positional=True)
     p.add_argument("--text", required=True, metavar="FILE")
-    p.add_argument("--ctx", type=int, default=2048)
-    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--ctx", type=whole, default=2048)
+    p.add_argument("--max-windows", type=whole, default=None)
     p.add_argument("--json", action="store_true")
     add_runtime_options(p)
     st = p.add_argument_group("KV cache (all but --kv-type, --kv-group and --kv-residual with --stream only)")
     st.add_argument("--stream", action="store_true", help="token by token through a KV cache")
     add_cache_options(st, policy="sink", size=1024)
-    st.add_argument("--max-tokens", type=int, default=None, help="use the text's first tokens")
+    st.add_argument("--max-tokens", type=whole, default=None, help="use the text's first tokens")
 
 
 def main(args: argparse.Namespace) -> int:

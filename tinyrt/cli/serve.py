@@ -11,7 +11,7 @@ import threading
 from tinyrt.errors import TinyrtError
 
 from .options import (add_cache_options, add_draft_options, add_model_option, add_runtime_options,
-                      load_llm, load_options)
+                      load_llm, load_options, whole)
 
 MAX_QUEUE = 64            # requests waiting for the engine
 MAX_BODY = 4 << 20        # bytes of a request body (a whole context of text is far less)
@@ -27,15 +27,15 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: "
                         "every network the machine is on)")
-    p.add_argument("--port", type=int, default=8080, help="default 8080; 0 picks a free port")
+    p.add_argument("--port", type=whole, default=8080, help="default 8080; 0 picks a free port")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every /v1 request (default: "
                         "$TINYRT_API_KEY, else none)")
     p.add_argument("--alias", default=None, metavar="NAME",
                    help="the model's name in the API (default: MODEL as given)")
-    p.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+    p.add_argument("--max-queue", type=whole, default=MAX_QUEUE,
                    help=f"requests that may wait for the engine; more get 503 (default {MAX_QUEUE})")
-    p.add_argument("--max-body", type=int, default=MAX_BODY, metavar="BYTES",
+    p.add_argument("--max-body", type=whole, default=MAX_BODY, metavar="BYTES",
                    help=f"largest request body; larger get 413 (default {MAX_BODY:,})")
     r = p.add_argument_group("runtime")
     add_cache_options(r, policy="dense")
