@@ -178,3 +178,13 @@ def test_info_refuses_a_snapshot_whose_weights_link_in_a_loop(tiny, tmp_path, sp
     _replace(blob, "loop")
     spec = str(hub / "models--org--m") if spec == "folder" else spec
     assert_refused(run_tinyrt("info", spec, env=env), "model.safetensors", "symbolic links")
+
+
+@pytest.mark.parametrize("kind,words", [("fifo", "a fifo"), ("loop", "symbolic links"),
+                                        ("directory", "it is a directory")])
+def test_a_config_that_is_no_file_is_named(tiny, tmp_path, kind, words):
+    """config.json a FIFO, a link loop or a directory: the one line says so (not only that the
+    folder is no model directory)."""
+    d = _copy(tiny, tmp_path)
+    _replace(d / "config.json", kind)
+    assert_refused(run_tinyrt("info", str(d), timeout=FIFO_SECONDS), "config.json", words)

@@ -525,6 +525,9 @@ def _from_directory(path: Path, what: str, hint: str = "") -> Path:
         return found
     found = _model_in(path, None, where)
     if found is None:
+        if os.path.lexists(path / "config.json"):    # there, but perhaps no file to read: why
+            f, _ = open_regular(path / "config.json")
+            f.close()
         raise TinyrtError(f"{where} is not a model directory (it needs config.json and "
                           f"*.safetensors weights, or a GGUF file){hint}")
     return found
