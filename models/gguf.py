@@ -16,6 +16,7 @@ a count u64 and the items (arrays may nest).
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from pathlib import Path
@@ -28,9 +29,10 @@ from tinyrt.errors import ModelFormatError
 from tinyrt.kernels.quant import QuantWeight
 from tinyrt.models.config import ModelConfig
 from tinyrt.models.families import gguf_family
-from tinyrt.models.gguf_quants import FORMS, GGUF_TO_QUANT, to_quant
+from tinyrt.models.gguf_quants import (FLOAT_FIELDS, FORMS, GGUF_TO_QUANT, finite_scales,
+                                       to_quant)
 from tinyrt.models.llama import GGUF_GLOBAL, GGUF_LAYER
-from tinyrt.models.weights import ModelWeights, held_layers, release_pages
+from tinyrt.models.weights import ModelWeights, all_finite, held_layers, release_pages
 from tinyrt.paths import open_regular
 
 Q = GGMLQuantizationType
@@ -63,6 +65,22 @@ def hf_name(name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def readable(qtype: GGMLQuantizationType) -> bool:
+    """Whether tensors of type `qtype` read as float (as stored, as the runtime's quantized
+    form, or dequantized by the gguf package: its one block of zeros tried): not the integer
+    types (I8 to I64), F64, or a type newer than the package."""
+    if qtype in (Q.F32, Q.F16) or qtype in GGUF_TO_QUANT:
+        return True
+    from gguf.quants import dequantize
+
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -463,6 +481,16 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: tensor {name} has type {t.tensor_type.name}, "
                                    "which the gguf package cannot dequantize") from None
 
+    def finite(self, name: str) -> bool:
+        """Whether tensor `name` holds finite values only: float types by their values, block
+        types by their blocks' float16 fields (FLOAT_FIELDS), others dequantized a few thousand
+        rows at a time."""
+        t = self.tensors[name]
+        if t.tensor_type in FLOAT_FIELDS:
+            return finite_scales(self.raw(name), t.tensor_type)
+        rows, step = math.prod(t.shape[1:]), 4096
+        return all(all_finite(self.rows(name, slice(i, i + step))) for i in range(0, rows, step))
+
     def tensor(self, name: str) -> np.ndarray:
         """A GGUF tensor dequantized to float32 (float16 stays float16), numpy shape order."""
         return self.rows(name).reshape(self.tensors[name].np_shape)
@@ -532,6 +560,9 @@ class GGUFRows:
     def __getitem__(self, ids) -> np.ndarray:
         return self.file.rows(self.name, ids).astype(np.float32, copy=False)
 
+    def finite(self) -> bool:
+        return self.file.finite(self.name)
+
 
 class GGUFWeights(ModelWeights):
     """A GGUF file's weights, run in place: each linear layer of a quantized type the runtime
@@ -554,7 +585,16 @@ class GGUFWeights(ModelWeights):
         gguf = self.file._gguf_names.get(hf)
         return f"{gguf} ({hf})" if gguf else hf
 
-    def tensor(self, name: str) -> np.ndarray:
+    def _check_type(self, hf: str) -> None:
+        name = self.file._gguf_names[hf]
+        t = self.file.tensors[name]
+        if not readable(t.tensor_type):
+            raise ModelFormatError(
+                f"{self.name}: tensor {name} ({hf}) is {t.tensor_type.name} "
+                f"{list(t.np_shape)}, expected a float or quantized type (F32, F16, BF16, "
+                f"Q4_0, ..., Q8_0, K-quants, IQ types)")
+
+    def _tensor(self, name: str) -> np.ndarray:
         return self.file.hf_tensor(name)
 
     def _linear(self, module: str):

@@ -219,6 +219,20 @@ GGUF_TO_QUANT: dict[Q, Callable[[np.ndarray], QuantWeight]] = {
 }
 
 
+# byte offsets of each block's float16 fields (d, and dmin or m), per type: what a NaN or inf
+# in a block shows in, checked without dequantizing (the other fields are integers)
+FLOAT_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+                Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def finite_scales(raw: np.ndarray, qtype: Q) -> bool:
+    """Whether every float16 field of the blocks of raw uint8 [rows, bytes_per_row] (a type
+    of FLOAT_FIELDS) is finite: whether the rows dequantize to finite values."""
+    b = _blocks(raw, qtype)
+    return all(int((_f16(b, at).view(np.uint16) & 0x7FFF).max(initial=0)) < 0x7C00
+               for at in FLOAT_FIELDS[qtype])
+
+
 def to_quant(raw: np.ndarray, qtype: Q, n_in: int) -> QuantWeight:
     """A GGUF weight of type `qtype` with `n_in` inputs per row, its raw block bytes uint8
     [rows, bytes_per_row], as a QuantWeight [rows, n_in] (ValueError if it does not fit)."""

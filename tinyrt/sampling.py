@@ -196,6 +196,31 @@ class SamplingParams:
                                DEFAULT_REPEAT_PENALTY if self.temperature else 1.0)
 
 
+class BrokenModelError(TinyrtError):
+    """The model produced logits no distribution comes from (NaN, +inf, or every one -inf):
+    its weights are broken (or overflow), and no token can be chosen."""
+
+
+def check_logits(logits: np.ndarray) -> None:
+    """Refuse logits [..., V] that no token can be chosen from, in one line. One reduction (a
+    NaN anywhere makes the maximum NaN, a +inf makes it inf, all -inf makes it -inf), cheap
+    beside a forward pass; -inf on some ids (masked tokens) is a valid distribution."""
+    x = np.asarray(logits)
+    if not x.size:
+        return
+    top = x.max(axis=-1)
+    if np.isfinite(top).all():
+        return
+    if np.isnan(top).any():
+        kind = "NaN logits"
+    elif (top == np.inf).any():
+        kind = "infinite logits"
+    else:
+        kind = "logits that are all -inf"
+    raise BrokenModelError(f"the model produced {kind}: its weights are broken (or overflow), "
+                           "and no token can be chosen")
+
+
 def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: float,
                          last_n: int, presence: float = 0.0, frequency: float = 0.0) -> np.ndarray:
     """Penalties on the tokens seen in the last `last_n` ids: CTRL's (positive logits divided by
@@ -206,7 +231,8 @@ def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: fl
         ids, counts = np.unique(np.asarray(history[-last_n:], dtype=np.int64), return_counts=True)
         v = logits[ids]
         if penalty != 1.0:
-            v = np.where(v > 0, v / penalty, v * penalty)
+            with np.errstate(over="ignore"):     # (an overflow: the sampler's check says so)
+                v = np.where(v > 0, v / penalty, v * penalty)
         logits[ids] = v - presence - frequency * counts
     return logits
 
@@ -217,8 +243,11 @@ def filtered_probs(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, n
     # the largest logit subtracted first: a tiny temperature then takes the others to -inf (the
     # greedy limit), where dividing first overflowed to inf - inf = NaN
     x = logits.astype(np.float64)
+    top = x.max()
+    if not np.isfinite(top):       # (NaN everywhere after the subtraction: no candidates)
+        check_logits(x)
     with np.errstate(over="ignore"):
-        x = (x - x.max()) / p.temperature
+        x = (x - top) / p.temperature
     if 0 < p.top_k < len(x):
         ids = np.argpartition(-x, p.top_k - 1)[:p.top_k]
     else:
@@ -251,9 +280,13 @@ class Sampler:
             or p.frequency_penalty else 0
 
     def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The logits with the penalties applied; a BrokenModelError for logits that no token
+        can come from (greedy too: its argmax of NaN would be token 0 forever)."""
         p = self.params
-        return apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n,
-                                    p.presence_penalty, p.frequency_penalty)
+        x = apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n,
+                                 p.presence_penalty, p.frequency_penalty)
+        check_logits(x)        # after the penalties: a penalty may take a huge logit to inf
+        return x
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits [V] -> token id."""

@@ -43,7 +43,7 @@ import numpy as np
 from tinyrt.errors import TinyrtError
 
 from .generate import Generation
-from .sampling import draw
+from .sampling import check_logits, draw
 
 MAX_GAMMA = 12          # the default bound of the drafts' length (--draft-tokens)
 DRAFT_CONFIDENCE = 0.15  # a draft model stops below this probability of its whole draft
@@ -372,7 +372,8 @@ class SpeculativeGeneration(Generation):
                 def choose(logits, drafts):
                     if len(logits) < V:            # a draft vocabulary a few ids smaller
                         logits = np.concatenate([logits, np.full(V - len(logits), -np.inf)])
-                    if argmax:
+                    if argmax:      # (the sampler's check, which its argmax skips)
+                        check_logits(logits[:V])
                         x, d = int(np.argmax(logits[:V])), None
                     else:
                         d = sampler.distribution(logits[:V], history + drafts if keep else ())
@@ -391,7 +392,8 @@ class SpeculativeGeneration(Generation):
                     return sampler.distribution(rows[j], history + drafts[:j] if keep else ())
 
                 if argmax:          # exact match with the target's argmax (Leviathan's rule
-                    best = rows.argmax(axis=1)      # for one-hot p and q, without the arrays)
+                    check_logits(rows)              # for one-hot p and q, without the arrays)
+                    best = rows.argmax(axis=1)
                     k = next((j for j, x in enumerate(drafts) if x != best[j]), len(drafts))
                     nxt = int(best[k])
                 else:
