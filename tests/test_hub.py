@@ -270,8 +270,10 @@ def caches(hub, tmp_path):
     ours.write_bytes(b"GGUF" + bytes(2_000_000))
     registry._write_record(ours, known.sha256, known.source, wrote=True)
     (gguf / ".fetch-abc").mkdir()
-    (gguf / ".fetch-abc" / registry.FETCH_MARK).write_bytes(b"")
+    registry.mark_fetch(gguf / ".fetch-abc", ["partial"], ["work"])
     (gguf / ".fetch-abc" / "partial").write_bytes(bytes(1000))
+    (gguf / ".fetch-abc" / "work").mkdir()
+    (gguf / ".fetch-abc" / "work" / "pip-x").write_bytes(bytes(10))
     (gguf / "mine.gguf").write_bytes(b"the user's own")
     snap = write_tiny_model(snapshot(hub, "org/tiny"))
     env = {k: os.environ[k] for k in ("HF_HOME", "HF_HUB_OFFLINE", "XDG_CACHE_HOME")}
@@ -308,10 +310,12 @@ def test_rm_asks_and_removes_only_tinyrt_copies(caches):
 
 def test_a_damaged_hf_entry_is_one_row_of_the_list(caches):
     """A repository of the Hugging Face cache whose refs/main is a folder, or not text: `tinyrt
-    list` shows it as damaged and lists the rest; `tinyrt rm` of a tinyrt copy still works."""
+    list` shows it as damaged and lists the rest; `tinyrt rm` of a tinyrt copy still works. A
+    ref too long for a file name is no snapshot (not an OSError)."""
     hub = registry.hf_hub_cache()
     for repo, damage in [("org/folder", lambda f: f.mkdir()),
-                         ("org/binary", lambda f: f.write_bytes(b"\xff\x00" * 8))]:
+                         ("org/binary", lambda f: f.write_bytes(b"\xff\x00" * 8)),
+                         ("org/long", lambda f: f.write_text("a" * 256))]:
         snap = write_tiny_model(snapshot(hub, repo))
         refs_main = snap.parent.parent / "refs" / "main"
         refs_main.unlink(missing_ok=True)
@@ -321,5 +325,8 @@ def test_a_damaged_hf_entry_is_one_row_of_the_list(caches):
     rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.strip()}
     assert "huggingface" in rows["org/tiny"] and caches.known.name in rows
     assert "damaged" in rows["org/folder"] and "damaged" in rows["org/binary"]
+    for command in ("info", "generate"):
+        p = run_tinyrt(command, "org/long", env=caches.env)
+        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) <= 1, p.stderr
     p = run_tinyrt("rm", caches.known.name, "-y", env=caches.env)
     assert p.returncode == 0 and not caches.ours.exists(), p.stderr

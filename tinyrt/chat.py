@@ -22,7 +22,7 @@ from tinyrt.errors import TinyrtError
 
 from .chat_template import ChatTemplate
 from .generate import Response, Timings
-from .paths import read_text, shown, user_path
+from .paths import new_file, read_text, shown, user_path
 from .sampling import MAX_STOPS, SettingError, check_settings
 
 # for a model without a chat template; a reply follows "Assistant:" as generated (its own
@@ -148,8 +148,6 @@ class ChatSession:
         """Write the conversation (system message, turns, settings) as JSON; returns the path.
         Written to a new temporary file beside it (of a name no other file has), then renamed:
         an existing file is replaced whole or kept (only a regular file is replaced)."""
-        import tempfile
-
         path = _path(path)
         data = {"format": FORMAT, "version": 1, "system": self.system, "messages": self.messages,
                 "settings": self.settings}
@@ -157,7 +155,7 @@ class ChatSession:
         try:
             if path.exists() and not path.is_file():     # a directory, a FIFO, a device
                 raise OSError(errno.EEXIST, "it exists and is not a regular file")
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
+            fd, tmp = new_file(path.parent, f".{path.name[:64]}.", ".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(data, ensure_ascii=False, indent=1))
             os.replace(tmp, path)

@@ -1,13 +1,14 @@
-"""Paths the user names and the text files tinyrt reads, in one place: a name no file can have, a
-~user that does not exist, an OSError (a name too long, a file used as a directory), a file that
-is not a regular file (a directory, a FIFO, /dev/zero), one larger than its use allows or bytes
-that are not UTF-8 each become one line naming the path, never a traceback, a hang or a read
-without end."""
+"""Paths the user names, the text files tinyrt reads and the new files it writes, in one place: a
+name no file can have, a ~user that does not exist, an OSError (a name too long, a file used as a
+directory), a file that is not a regular file (a directory, a FIFO, /dev/zero), one larger than
+its use allows or bytes that are not UTF-8 each become one line naming the path, never a
+traceback, a hang or a read without end."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import BinaryIO
@@ -174,3 +175,18 @@ def _depth(obj) -> int:
         stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o)
                      if isinstance(v, (dict, list)))
     return deepest
+
+
+def new_file(directory: str | os.PathLike, prefix: str, suffix: str = "") -> tuple[int, Path]:
+    """A file made new in `directory`, under a name no file had (never a link's target), open to
+    write: (descriptor, path). A temporary to rename over what it replaces: writing to a fixed
+    name instead would write into a file or through a link of another program's. Its mode is a
+    plainly written file's (0666 less the umask; mkstemp's would be 0600). OSError as os.open."""
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+             | getattr(os, "O_CLOEXEC", 0))
+    while True:
+        path = Path(directory) / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        try:
+            return os.open(path, flags, 0o666), path
+        except FileExistsError:
+            continue

