@@ -216,7 +216,7 @@ def quantize_int8_rows(w: np.ndarray, block: int = 512) -> Int8Rows:
 
 # -- quantized linear ----------------------------------------------------------------------------
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")
 def quantize_pairs(x, block, xp, sx, xsum):
     """x float32 [in] -> int16 activations in pairs, xp int32 [in/2] (input 2p in the low half of
     xp[p], 2p + 1 in the high half), with one scale per block of `block` inputs, sx [in/block]
@@ -415,9 +415,11 @@ def exp(x):
     return p * simd.float_from_bits(np.int32((np.int32(n) + 127) << 23))
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")
 def rmsnorm(x, w, eps):
-    """x [T, H], w [H] float32 -> [T, H] float32."""
+    """x [T, H], w [H] float32 -> [T, H] float32. (Numpy's error model, here and in every
+    kernel that divides by data: a zero divisor, from activations that overflowed or an epsilon
+    of 0, gives inf or NaN, which the sampler reports as a broken model, not an exception.)"""
     T, H = x.shape
     y = np.empty((T, H), np.float32)
     for t in range(T):
@@ -651,7 +653,7 @@ def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, win
             out[g * R + r, d] += zs[r, d // Gv]
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")
 def _merge(outs, tops, totals, probs, score, R):
     """The blocks' partial softmaxes of attention_decode merged, in order: [T, Q, D]; their
     weights added to score [G, S'] (unless it is empty)."""

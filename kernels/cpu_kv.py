@@ -29,7 +29,7 @@ def code(x, s, z, top):
     return int(min(max(step(x, s, z), np.float32(0)), np.float32(top)))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _requantize_group(x, bits, sz, row, at, cs):
     """kv_quant.requantize of one group x (float16 bits, any stride) whose codes are values at,
     at + 1, ... of the code row `row` (kv_quant's planes) and whose scale and zero are sz [2]

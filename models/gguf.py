@@ -476,7 +476,10 @@ class GGUFFile:
         if t.tensor_type == Q.F16:
             return raw.view(np.float16)
         try:
-            return dequantize(raw, t.tensor_type).reshape(len(raw), t.shape[0])
+            # (broken blocks give NaN or inf, which the load's finite check names in one line;
+            # NumPy's warnings would add lines of their own)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                return dequantize(raw, t.tensor_type).reshape(len(raw), t.shape[0])
         except NotImplementedError:
             raise ModelFormatError(f"{self.path}: tensor {name} has type {t.tensor_type.name}, "
                                    "which the gguf package cannot dequantize") from None

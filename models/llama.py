@@ -35,6 +35,10 @@ class Layer:
     qkv_bias: Any = None  # [Q*D + 2*G*D] (a family with q/k/v biases), else None
 
 
+# A model whose values overflow runs on to NaN or inf logits, which the sampler (or perplexity)
+# reports in one line as a broken model; NumPy's warnings would add lines of their own.
+_QUIET = {"over": "ignore", "invalid": "ignore", "divide": "ignore"}
+
 # The tensor names, defined once. A layer's tensors, under `model.layers.N.` (HF) and `blk.N.`
 # (GGUF): Layer field -> HF names it is made of (a fused projection lists its parts in order).
 NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
@@ -188,7 +192,8 @@ class LlamaModel:
 
     def logits(self, h):
         """Final hidden states [T, H] -> logits [T, V]."""
-        return self.backend.linear(h, self.lm_head)
+        with np.errstate(**_QUIET):
+            return self.backend.linear(h, self.lm_head)
 
     def hidden_states(self, tokens, cache):
         """The final (normed) hidden states [T, H] of `tokens`, their K/V appended to `cache`.
@@ -197,6 +202,10 @@ class LlamaModel:
         in each layer and KV head, a slot; attention reads every slot the cache holds (and adds
         its weights to the cache's scores, for a policy that keeps them).
         """
+        with np.errstate(**_QUIET):
+            return self._hidden_states(tokens, cache)
+
+    def _hidden_states(self, tokens, cache):
         cfg, be = self.config, self.backend
         tokens = np.asarray(tokens, dtype=np.int64)
         pos = cache.allocate(len(tokens))

@@ -101,3 +101,12 @@ def test_bench_run_refuses_what_it_cannot_measure(tmp_path):
             bench.run(llm, **{"prompt_tokens": 8, "decode_tokens": 2, "runs": 1, **bad})
     r = bench.run(llm, prompt_tokens=8, decode_tokens=1, runs=1)     # one token: one step
     assert r["decode_tok_s"] > 0
+
+
+def test_sizes_past_the_models_context_are_refused(tmp_path):
+    """A prompt and decode longer than the model's context: refused in one line (as ppl's --ctx),
+    not run for minutes over positions the model never had."""
+    d = write_tiny_model(tmp_path / "m", tiny_config())
+    context = tinyrt.LLM(d, kv_size=32).config.max_position_embeddings
+    assert_refused(run_tinyrt("bench", str(d), "--prompt-tokens", str(context),
+                              "--decode-tokens", "1", "--runs", "1"), "context")

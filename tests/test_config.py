@@ -93,8 +93,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
     ({"rope_theta": 10**400}, "rope_theta must be a finite number, got an integer of 1329 bits"),
     ({"rms_norm_eps": 10**400}, "rms_norm_eps must be a finite number"),
     ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number, got nan"),
-    ({"rms_norm_eps": 0.0}, "rms_norm_eps must be above 0"),
-    ({"rms_norm_eps": 5.0}, "rms_norm_eps must be above 0 and below 1"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps must be at least 1.17549e-38"),
+    ({"rms_norm_eps": 1e-50}, "rms_norm_eps must be at least 1.17549e-38"),   # 0 in float32
+    ({"rms_norm_eps": 5.0}, "rms_norm_eps must be at least 1.17549e-38 and below 1"),
     ({"rope_theta": float("inf")}, "rope_theta must be a finite number"),
     ({"rope_theta": 0.5}, "rope_theta must be above 1"),
     ({"rope_theta": 1.3e54}, "rope_theta must be above 1 and below 1e+15, got 1.3e+54"),

@@ -326,3 +326,38 @@ def test_non_finite_logits_through_the_server(overflowing):
         assert run.health()["status"] == "ok"
     finally:
         run.stop()
+
+
+@pytest.fixture(scope="module")
+def exploding(tmp_path_factory):
+    """Finite weights (they load) whose activations overflow inside the layers (norms of 1e30):
+    the CPU kernels' norm divided by a zero (or NaN) sum of squares."""
+    w = random_weights(tiny_config())
+    for name in w:
+        if name.endswith("norm.weight"):
+            w[name] = (w[name] * 1e30).astype(np.float32)
+    return write_tiny_model(tmp_path_factory.mktemp("exploding") / "m", weights=w)
+
+
+def test_activations_that_overflow_end_a_reply_in_one_line(exploding):
+    """On the CPU kernels (fused layers, and a prompt's GEMMs) as on the reference: one line
+    naming the broken model, never a ZeroDivisionError from a kernel."""
+    for device in ("cpu", "reference"):
+        for prompt in ("hi", "a longer prompt " * 6):
+            assert_refused(run_tinyrt("generate", "-m", str(exploding), prompt, "-n", "3",
+                                      "--device", device), "the model produced", "broken")
+
+
+def test_perplexity_of_a_broken_or_far_off_model(overflowing, tmp_path):
+    """NaN or inf logits: ppl refuses in one line (not `ppl nan`, exit 0, with NumPy's warnings);
+    finite logits far apart (a head of +-1e3): a perplexity past the largest float is inf, not
+    an OverflowError."""
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    assert_refused(run_tinyrt("ppl", "-m", str(overflowing), "--text", str(text), "--ctx", "64",
+                              "--max-windows", "1"), "the model produced")
+    w = random_weights(tiny_config())
+    w["lm_head.weight"] = (np.sign(w["lm_head.weight"]) * 1e3).astype(np.float32)
+    far = write_tiny_model(tmp_path / "far", weights=w)
+    p = run_tinyrt("ppl", "-m", str(far), "--text", str(text), "--ctx", "64", "--max-windows", "1")
+    assert p.returncode == 0 and "inf" in p.stdout and not p.stderr.strip(), p.stderr

@@ -80,6 +80,10 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
     """Measure `llm` (a tinyrt.LLM); returns a dict of figures (medians over `runs`). With a
     draft, decode is greedy speculative decoding and "speculative" holds the drafts' figures."""
     check_args(prompt_tokens, decode_tokens, runs)
+    context = llm.config.max_position_embeddings
+    if prompt_tokens + decode_tokens > context:       # (as ppl's --ctx: positions it never had)
+        raise TinyrtError(f"prompt + decode = {prompt_tokens + decode_tokens} tokens exceed the "
+                          f"model's context of {context} tokens")
     model, cache = llm.model, llm.cache
     ids = prompt_ids(llm, prompt_tokens)
     if prompt_tokens + decode_tokens > cache.capacity:

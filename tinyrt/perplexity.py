@@ -19,6 +19,7 @@ import numpy as np
 from tinyrt.errors import TinyrtError, shown
 
 from .kv_cache import CacheOptions, make_cache
+from .sampling import check_logits
 
 
 @dataclass
@@ -34,7 +35,9 @@ class Perplexity:
 
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """-log softmax(logits)[target] per row of logits [n, V] (float32, overwritten), in float64."""
+    """-log softmax(logits)[target] per row of logits [n, V] (float32, overwritten), in float64;
+    a broken model's (NaN or inf logits) is sampling's BrokenModelError, not a NaN perplexity."""
+    check_logits(logits)
     target = logits[np.arange(len(targets)), targets].astype(np.float64)
     m = logits.max(axis=1, keepdims=True)
     logits -= m
@@ -94,7 +97,13 @@ def perplexity(llm, text: str, ctx: int = 2048, max_windows: int | None = None,
         if progress:
             progress(w + 1, windows)
     n = windows * (ctx - 1)
-    return Perplexity(math.exp(nll / n), n, windows, time.perf_counter() - start)
+    return Perplexity(_exp(nll / n), n, windows, time.perf_counter() - start)
+
+
+def _exp(x: float) -> float:
+    """e**x, inf where that is past the largest float (a model far off the text; math.exp
+    raises OverflowError there)."""
+    return math.exp(x) if x < 709.78 else math.inf
 
 
 @dataclass
@@ -106,7 +115,7 @@ class StreamPerplexity:
 
     def ppl_of(self, start: int, stop: int) -> float:
         """Perplexity over predicted tokens [start, stop)."""
-        return math.exp(float(self.nll[start:stop].mean()))
+        return _exp(float(self.nll[start:stop].mean()))
 
     def as_dict(self) -> dict:
         return {"ppl": self.ppl, "tokens": self.tokens, "windows": 1, "seconds": self.seconds}
@@ -138,4 +147,4 @@ def stream_perplexity(llm, text: str, cache: CacheOptions, *, max_tokens: int | 
         nll[t] = _nll(logits, ids[t + 1:t + 2])[0]
         if progress and (t % 64 == 63 or t == len(ids) - 2):
             progress(t + 1, len(ids) - 1)
-    return StreamPerplexity(math.exp(float(nll.mean())), len(nll), time.perf_counter() - start, nll)
+    return StreamPerplexity(_exp(float(nll.mean())), len(nll), time.perf_counter() - start, nll)
