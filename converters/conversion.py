@@ -13,7 +13,7 @@ import numpy as np
 from tinyrt.errors import ModelFormatError, TinyrtError, check_int, shown
 from tinyrt.kernels import awq_layout
 from tinyrt.models import ModelConfig, expected_shapes, linear_shapes
-from tinyrt.models.weights import held_layers, write_safetensors
+from tinyrt.models.weights import all_finite, held_layers, write_safetensors
 from tinyrt.paths import user_path
 from tinyrt.sample_text import default_text
 
@@ -176,9 +176,15 @@ def _write_shards(directory: Path, specs: list, arrays: Iterator[np.ndarray],
 
 
 def _checked(specs, named: Iterator[tuple[str, np.ndarray]]) -> Iterator[np.ndarray]:
+    """The tensors to write, in order, each finite: NaN or inf in the source (which the runtime
+    refuses at load), or a quantization that overflowed float16, stops the conversion with
+    nothing written."""
     for (want, _, _), (name, a) in zip(specs, named):
         if name != want:  # a programming error, not bad input
             raise AssertionError(f"tensor order: expected {want}, got {name}")
+        if not all_finite(a):
+            raise ModelFormatError(f"{name} would hold NaN or infinite values (the source's, or "
+                                   "its quantization's past float16): nothing was written")
         yield a
 
 
@@ -238,7 +244,9 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
         calib_text = None
         if method == "awq":
             calib_text = calibration.read_text(calib) if calib else default_text()
-    with atomic_directory(out, force=force, src=src) as tmp:
+    # (overflow is reported by _checked in one line; NumPy's warnings would add lines)
+    with atomic_directory(out, force=force, src=src) as tmp, \
+            np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for name, content in source.files.items():
             (tmp / name).write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
         if source.generation_config:

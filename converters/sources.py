@@ -13,7 +13,7 @@ import numpy as np
 from tinyrt.errors import ModelFormatError
 from tinyrt.gguf_tokenizer import tokenizer_files
 from tinyrt.models.gguf import GGUFFile
-from tinyrt.models.weights import WeightStore, is_mapped
+from tinyrt.models.weights import WeightStore, all_finite, is_mapped
 from tinyrt.paths import MAX_TOKENIZER_BYTES, read_bytes, read_json, shown, stat_or_none, user_path
 
 # files of an HF directory that travel with the weights, as they are
@@ -39,11 +39,14 @@ def read_once(get: Callable[[str], np.ndarray], release: Callable[[], None]
     """`get` for a conversion, which reads each tensor once: each array is the caller's own (a
     view of the mapped file is copied) and the file's pages leave the resident set after each
     read. Pages read from a map stay resident until dropped, so a conversion would otherwise
-    end holding the whole source file in its RSS."""
+    end holding the whole source file in its RSS. A tensor of NaN or inf is refused (the
+    runtime refuses it at load; quantized, it could turn into finite nonsense)."""
     def read(name: str) -> np.ndarray:
         a = get(name)
         a = np.array(a) if is_mapped(a) else a
         release()
+        if not all_finite(a):
+            raise ModelFormatError(f"the source's tensor {name!r} holds NaN or infinite values")
         return a
     return read
 

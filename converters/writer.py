@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -19,8 +20,15 @@ from typing import Iterator
 from tinyrt.errors import TinyrtError
 from tinyrt.paths import MAX_JSON_BYTES, read_json, shown, stat_or_none
 
+from .sources import TOKENIZER_FILES
+
 MANIFEST = "tinyrt-convert.json"
 WRITTEN_BY = "tinyrt convert"
+# the files a conversion writes (a model directory's): all of tinyrt's that a killed one's
+# temporary directory can hold
+_OUTPUTS = {MANIFEST, "config.json", "generation_config.json", "model.safetensors",
+            "model.safetensors.index.json", *TOKENIZER_FILES}
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -119,6 +127,23 @@ def _remove_output(directory: Path) -> None:
         os.rmdir(directory)
 
 
+def _remove_temporary(directory: Path) -> None:
+    """A killed conversion's temporary directory (its manifest marks it as tinyrt's): the files
+    of the names a conversion writes, then the directory if that left it empty (anything else
+    in it is not tinyrt's to delete)."""
+    try:
+        with os.scandir(directory) as entries:
+            ours = [e.name for e in entries if (e.name in _OUTPUTS or _SHARD.fullmatch(e.name))
+                    and e.is_file(follow_symlinks=False)]
+    except OSError:
+        return
+    for name in sorted(ours, key=lambda n: n == MANIFEST):      # the mark goes last
+        with contextlib.suppress(OSError):
+            os.unlink(directory / name)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
+
+
 def sweep_stale(target: Path) -> None:
     """Remove what conversions that were killed left beside `target`: their temporary directories
     (ours by name, and by the pid of a process that is gone) and outputs they had moved aside."""
@@ -133,7 +158,7 @@ def sweep_stale(target: Path) -> None:
         if not pid.isdigit() or _pid_alive(int(pid)) or p.is_symlink() or not p.is_dir():
             continue
         if kind == "tmp" and _manifest(p) is not None:     # marked as tinyrt's when made
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_temporary(p)
         elif kind == "old":
             _remove_output(p)
 
@@ -153,7 +178,7 @@ def atomic_directory(out: str | Path, force: bool = False, src: str | Path | Non
     sweep_stale(target)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     if not tmp.is_symlink() and _manifest(tmp) is not None:
-        shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an earlier call
+        _remove_temporary(tmp)                   # this process's own, from an earlier call
     try:
         tmp.mkdir()
     except OSError as e:                         # there, and not tinyrt's: left as it is

@@ -302,12 +302,21 @@ def test_a_killed_conversion_leaves_nothing_a_later_one_keeps(tmp_path):
     (tmp_path / "out").rename(tmp_path / f".out.old-{dead}")
     shutil.copytree(tmp_path / f".out.old-{dead}", tmp_path / f".out.tmp-{dead}")
     (tmp_path / f".out.old-{dead}" / "theirs.txt").write_text("not tinyrt's")
-    other = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                           capture_output=True, text=True).stdout.strip()
+    other, third = (subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                   capture_output=True, text=True).stdout.strip()
+                    for _ in range(2))
     (tmp_path / f".out.tmp-{other}").mkdir()          # a stranger's, named as a temporary is
     (tmp_path / f".out.tmp-{other}" / "theirs.txt").write_text("not tinyrt's")
+    # a temporary of tinyrt's (its manifest) that a stranger's files were put in: only the
+    # files a conversion writes go
+    shutil.copytree(tmp_path / f".out.tmp-{dead}", tmp_path / f".out.tmp-{third}")
+    (tmp_path / f".out.tmp-{third}" / "sub").mkdir()
+    (tmp_path / f".out.tmp-{third}" / "sub" / "f").write_text("not tinyrt's")
+    (tmp_path / f".out.tmp-{third}" / "theirs.txt").write_text("not tinyrt's")
     convert(src, tmp_path / "out", method="none")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f".out.old-{dead}", f".out.tmp-{other}", "out", "src"])
+        [f".out.old-{dead}", f".out.tmp-{other}", f".out.tmp-{third}", "out", "src"])
     assert [p.name for p in (tmp_path / f".out.old-{dead}").iterdir()] == ["theirs.txt"]
     assert [p.name for p in (tmp_path / f".out.tmp-{other}").iterdir()] == ["theirs.txt"]
+    assert sorted(p.name for p in (tmp_path / f".out.tmp-{third}").iterdir()) == ["sub",
+                                                                                   "theirs.txt"]

@@ -159,6 +159,26 @@ def test_a_float_weight_of_nan_is_refused_through_the_cli(tmp_path):
     assert_refused(_generate(d, "--temperature", "0.8"), "lm_head.weight", "NaN or infinite")
 
 
+@pytest.mark.parametrize("method", ["none", "rtn", "awq"])
+def test_a_conversion_writes_no_nan_and_says_so_in_one_line(tmp_path, method):
+    """A source of NaN (quantized, it turned into finite nonsense) or of values whose quantized
+    scales overflow float16: refused in one line (no progress bar's blank line, no NumPy
+    warning), nothing written."""
+    w = random_weights(tiny_config())
+    w["model.layers.0.self_attn.q_proj.weight"] = _nan_at(w["model.layers.0.self_attn.q_proj.weight"])
+    nan = write_tiny_model(tmp_path / "nan", weights=w)
+    w = random_weights(tiny_config())
+    w["model.layers.0.mlp.down_proj.weight"] *= np.float32(1e36)
+    big = write_tiny_model(tmp_path / "big", weights=w)
+    calib = ("--calib-samples", "2", "--calib-seqlen", "32") if method == "awq" else ()
+    cases = [(nan, "NaN or infinite")] + ([(big, "NaN or infinite")] if method != "none" else [])
+    for src, words in cases:
+        out = tmp_path / f"out-{src.name}"
+        assert_refused(run_tinyrt("convert", str(src), str(out), "--method", method, *calib,
+                                  timeout=120), words)
+        assert not out.exists()
+
+
 # -- GGUF files ------------------------------------------------------------------------------------
 
 K_CFG = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,

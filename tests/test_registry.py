@@ -225,6 +225,39 @@ def test_a_linked_cache_loses_nothing_that_is_not_tinyrts(fake_known, tmp_path):
     assert after[0] == {p: v for p, v in before[0].items() if p.name not in tinyrts}
 
 
+def test_an_earlier_tinyrts_fetch_stays_tinyrts(fake_known):
+    """A file fetched by an earlier tinyrt (its record of the old shape) is tinyrt's to list and
+    remove where its content is the known model's indeed; the same record beside other content
+    of the same size and time is not, nor is a record that is a link (tinyrt writes none)."""
+    import json
+
+    from tinyrt import registry
+
+    path = registry.fetch_gguf(fake_known, quiet=True)
+    record = Path(str(path) + ".json")
+    info = os.stat(path)
+    record.write_text(json.dumps({"sha256": fake_known.sha256, "size": info.st_size,
+                                  "mtime_ns": info.st_mtime_ns, "source": "pip fakepkg==1.0"}))
+    assert registry._ours(path) and [m.path for m in registry.tinyrt_cached()] == [path]
+    path.write_bytes(b"X" * info.st_size)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert not registry._ours(path) and registry.tinyrt_cached() == []
+    real = record.with_name("elsewhere.json")
+    record.rename(real)
+    record.symlink_to(real)
+    assert registry._read_record(path) is None
+
+
+def test_a_cache_folder_that_is_a_dangling_link_is_one_line(fake_known, tmp_path):
+    from tinyrt import registry
+
+    xdg = tmp_path / "xdg"
+    xdg.mkdir()
+    (xdg / "tinyrt").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(TinyrtError, match="cannot create tinyrt's cache folder"):
+        registry.fetch_gguf(fake_known, quiet=True)
+
+
 def test_resolve_names_known_models_and_suggests(fake_known):
     path = resolve("fake-model", quiet=True)
     assert path.read_bytes().startswith(b"GGUF")

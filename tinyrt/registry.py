@@ -138,6 +138,8 @@ def _read_record(path: Path) -> dict | None:
     content of a file unchanged since, never to remove it). Another program's JSON file there,
     or a damaged one, is none: the file is checked again, and the JSON file left as it is."""
     try:
+        if os.path.islink(_record_path(path)):      # (a link is not what tinyrt writes)
+            return None
         record = read_json(_record_path(path), missing_ok=True, limit=1 << 16, error=TinyrtError)
     except TinyrtError:
         return None
@@ -152,16 +154,25 @@ def _read_record(path: Path) -> dict | None:
 
 def _ours(path: Path) -> bool:
     """Whether tinyrt wrote the cached file `path` (not a link): its record says so of this very
-    file (device, inode), unchanged since (size, time)."""
+    file (device, inode), unchanged since (size, time). A record of an earlier tinyrt's, which
+    wrote one only beside a known model's file under that file's own name, counts where the
+    file's content is that model's indeed (hashed: such a record is easily made by hand)."""
     try:
         info = os.lstat(path)
     except OSError:
         return False
     record = _read_record(path)
-    return (stat.S_ISREG(info.st_mode) and record is not None and record.get("wrote") is True
-            and record.get("written_by") == "tinyrt"
-            and (record["size"], record["mtime_ns"]) == (info.st_size, info.st_mtime_ns)
-            and (record.get("dev"), record.get("ino")) == (info.st_dev, info.st_ino))
+    if not stat.S_ISREG(info.st_mode) or record is None or \
+            (record["size"], record["mtime_ns"]) != (info.st_size, info.st_mtime_ns):
+        return False
+    if record.get("written_by") == "tinyrt":
+        return record.get("wrote") is True and \
+            (record.get("dev"), record.get("ino")) == (info.st_dev, info.st_ino)
+    try:
+        return any(k.sha256 == record["sha256"] and Path(k.member).name == path.name
+                   for k in KNOWN_MODELS.values()) and _sha256(path) == record["sha256"]
+    except TinyrtError:              # (unreadable now)
+        return False
 
 
 def _sha256(path: Path) -> str:
@@ -224,7 +235,8 @@ def _cached_copy(sha256: str) -> Path | None:
     for record_file in sorted(directory.glob("*.gguf.json")):
         path = record_file.with_suffix("")
         record = _read_record(path)
-        if record and record.get("sha256") == sha256 and _holds(path, sha256, record.get("source", "")):
+        if record and record.get("written_by") == "tinyrt" and record["sha256"] == sha256 and \
+                _holds(path, sha256, record.get("source", "")):
             return path
     return None
 
@@ -241,7 +253,11 @@ def fetch_gguf(known: KnownModel, quiet: bool = False, download: bool = True) ->
     if not download:
         raise NotFetched(f"{known.name} is not fetched yet: `tinyrt pull {known.name}` fetches it "
                          f"({known.description})")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:             # (a link to a folder that is not there: "File exists")
+        raise TinyrtError(f"cannot create tinyrt's cache folder {shown(dest.parent)}: "
+                          f"{e.strerror or e}") from None
     free = _free_name(dest, known.sha256)
     if free != dest:
         _status(f"{shown(dest)} is not a file tinyrt wrote (another program's, or changed "
@@ -332,9 +348,10 @@ class _DownloadBar:
                                    TimeRemainingColumn, TransferSpeedColumn)
 
         self.total = total
+        console = Console(stderr=True)     # (no bar where stderr is no terminal: a blank line)
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                            TransferSpeedColumn(), TimeRemainingColumn(),
-                            console=Console(stderr=True), transient=True)
+                            TransferSpeedColumn(), TimeRemainingColumn(), console=console,
+                            transient=True, disable=not console.is_terminal)
         self.task = self.bar.add_task(what, total=total)
 
     def __enter__(self):

@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, shown
 
 from .generate import Generation
 from .sampling import check_logits, draw
@@ -76,7 +76,7 @@ def first_layers(model, n: int):
     the target's weights (no memory of its own but its KV cache)."""
     if not 1 <= n < model.config.num_hidden_layers:
         raise TinyrtError(f"a derived draft takes 1 to {model.config.num_hidden_layers - 1} of "
-                          f"the model's layers, not {n}")
+                          f"the model's layers, not {shown(n)}")
     draft = copy.copy(model)
     draft.layers = model.layers[:n]
     draft.config = dataclasses.replace(model.config, num_hidden_layers=n)
@@ -244,8 +244,9 @@ def make_drafter(spec: str | os.PathLike, target, tokenizer, cache, new_cache, l
     if spec.startswith("layers:"):
         try:
             n = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise TinyrtError(f"--draft {spec}: N in layers:N is a number of layers") from None
+        except ValueError:             # (also an int of too many digits)
+            raise TinyrtError(f"--draft {shown(spec)}: N in layers:N is a number of layers") \
+                from None
         model, name = first_layers(target, n), spec
     else:
         directory = Path(spec)

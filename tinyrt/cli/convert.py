@@ -56,9 +56,11 @@ class ConvertProgress:
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
 
+        # no bar where stderr is no terminal (a log, a pipe): its stop leaves a blank line there
+        console = Console(stderr=True)
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-                            transient=True)
+                            TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                            transient=True, disable=not console.is_terminal)
         self.task = None
         self.description = description
 

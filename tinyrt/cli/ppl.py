@@ -42,8 +42,9 @@ def main(args: argparse.Namespace) -> int:
                                                  kv_residual=args.kv_residual))
     text = read_text(user_path(args.text, "--text"), "--text")
     llm = load_llm(args, load)
+    console = Console(stderr=True)     # (no bar where stderr is no terminal: a blank line there)
     bar = Progress(TextColumn("ppl"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   console=Console(stderr=True), transient=True)
+                   console=console, transient=True, disable=not console.is_terminal)
     task = None
 
     def progress(done, total):

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, shown
 
 from .options import (add_cache_options, add_draft_options, add_model_option, add_runtime_options,
                       load_llm, load_options, whole)
@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     # every option checked before anything loads
     if not 0 <= args.port <= 65535:
-        raise TinyrtError(f"--port must be in [0, 65535], got {args.port}")
+        raise TinyrtError(f"--port must be in [0, 65535], got {shown(args.port)}")
     if args.max_queue < 0:
         raise TinyrtError(f"--max-queue must be 0 or more, got {args.max_queue}")
     if args.max_body < 1:
