@@ -1,8 +1,10 @@
 """Asymmetric group quantization (round to nearest, a zero point per group), as pure functions.
 
-For a group with minimum lo and maximum hi: s = (hi - lo) / (2^bits - 1) (rounded to float16, the
-precision it is stored in), z = round(-lo / s) clipped to [0, 2^bits - 1], q = clip(round(w / s) + z).
-The value it stands for is (q - z) * s. All in float32, rounding half to even as NumPy does. The
+For a group with minimum lo and maximum hi, its range widened to hold 0 (lo <= 0 <= hi: the zero
+point must be a code, or a group of one sign, constant ones too, clips to nonsense; a group of
+both signs, every real one, is as AutoAWQ quantizes it): s = (hi - lo) / (2^bits - 1) (rounded to
+float16, the precision it is stored in), z = round(-lo / s) clipped to [0, 2^bits - 1],
+q = clip(round(w / s) + z). The value it stands for is (q - z) * s. All in float32, rounding half to even as NumPy does. The
 passes over the weights are Numba loops on all cores: AWQ's searches quantize every layer's
 weights some sixty times.
 """
@@ -55,6 +57,7 @@ def _grid(w: np.ndarray, group_size: int, bits: int):
     lo = np.empty((out, inp // group_size), np.float32)
     hi = np.empty_like(lo)
     _group_ranges(w, group_size, lo, hi)
+    lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
     qmax = 2 ** bits - 1
     scales = (np.maximum(hi - lo, 1e-5) / qmax).astype(np.float16)
     s = scales.astype(np.float32)

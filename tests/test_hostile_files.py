@@ -188,3 +188,21 @@ def test_a_config_that_is_no_file_is_named(tiny, tmp_path, kind, words):
     d = _copy(tiny, tmp_path)
     _replace(d / "config.json", kind)
     assert_refused(run_tinyrt("info", str(d), timeout=FIFO_SECONDS), "config.json", words)
+
+
+def test_a_chat_history_that_is_no_file_is_kept_in_memory(tmp_path):
+    """The chat's history file a FIFO (the prompt hung), a directory, a broken link or a link
+    loop (a traceback at each line): not used; a regular file, a link to one, or none yet is."""
+    from tinyrt.cli.chat import _history_file
+
+    regular = tmp_path / "regular"
+    regular.write_text("")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "link").symlink_to(regular)
+    for name in ("fifo", "dir", "dangling", "loop"):
+        assert not _history_file(tmp_path / name), name
+    for name in ("regular", "link", "absent"):
+        assert _history_file(tmp_path / name), name

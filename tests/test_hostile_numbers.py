@@ -247,3 +247,17 @@ def test_clients_vanishing_mid_body_leave_no_traceback(served, server_log):
     bad = [r for r in server_log if r.exc_info or "Exception" in r.getMessage()]
     assert not bad, [r.getMessage() for r in bad]
     assert len(server_log) <= 6, [r.getMessage() for r in server_log]   # one line each at most
+
+
+def test_upgrade_requests_leave_no_lines_in_the_log():
+    """uvicorn logs two warnings for every request that asks for a WebSocket upgrade (CONNECT,
+    Upgrade: websocket), which any client may send without end; `tinyrt serve` drops those two,
+    and keeps its other lines."""
+    from tinyrt.cli.serve import _no_upgrade_notes
+
+    def record(msg):
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, (), None)
+
+    assert not _no_upgrade_notes(record("Unsupported upgrade request."))
+    assert not _no_upgrade_notes(record("No supported WebSocket library detected. Please use"))
+    assert _no_upgrade_notes(record("Invalid HTTP request received."))

@@ -381,3 +381,29 @@ def test_perplexity_of_a_broken_or_far_off_model(overflowing, tmp_path):
     far = write_tiny_model(tmp_path / "far", weights=w)
     p = run_tinyrt("ppl", "-m", str(far), "--text", str(text), "--ctx", "64", "--max-windows", "1")
     assert p.returncode == 0 and "inf" in p.stdout and not p.stderr.strip(), p.stderr
+
+
+@pytest.mark.parametrize("meta", [
+    {"model": "gpt2", "tokens": [1, 2, 3], "merges": [], "token_type": [1, 1, 1]},
+    {"model": "gpt2", "tokens": ["a", "b", "c"], "merges": ["abc", "", " ", "a b c"],
+     "token_type": [1, 1, 1]},
+])
+def test_a_gguf_tokenizer_the_library_refuses_is_one_line(meta):
+    """The tokenizers library's refusal runs over several lines: the error is one."""
+    from tinyrt.gguf_tokenizer import build_tokenizer
+
+    with pytest.raises(ModelFormatError, match="tokenizer is unusable") as e:
+        build_tokenizer(meta)
+    assert "\n" not in str(e.value)
+
+
+def test_the_library_refuses_arguments_of_the_wrong_kind(tmp_path):
+    """cache= that is no CacheOptions (a bare StopIteration), a ChatSession of no model (an
+    AttributeError deep inside)."""
+    d = write_tiny_model(tmp_path / "m")
+    for cache in ("x", 1):
+        with pytest.raises(TinyrtError, match="CacheOptions"):
+            tinyrt.load(str(d), cache=cache)
+    for llm in (None, "x"):
+        with pytest.raises(TypeError, match="ChatSession takes a model"):
+            tinyrt.ChatSession(llm)

@@ -58,6 +58,8 @@ def check_runtime(threads: int | None = None, draft_tokens: int | None = None) -
 def _cache_options(cache: CacheOptions | None = None, **fields) -> CacheOptions:
     """KV cache options: `cache` (default: the defaults) with `fields` replaced, checked
     (CacheOptions); a TinyrtError naming a field it does not have, and the closest it does."""
+    if cache is not None and not isinstance(cache, CacheOptions):
+        raise TinyrtError(f"cache must be a tinyrt.CacheOptions, not {shown(cache)}")
     try:
         return dataclasses.replace(cache or CacheOptions(), **fields)
     except TypeError:

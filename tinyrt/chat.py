@@ -68,6 +68,9 @@ class ChatSession:
     """
 
     def __init__(self, llm, *, system: str | None = None, **options):
+        if not hasattr(llm, "tokenizer") or not hasattr(llm, "stream"):
+            raise TypeError("ChatSession takes a model loaded by tinyrt.load, not "
+                            f"{type(llm).__name__}")
         self.llm = llm
         self.system = system
         self.settings = check_settings(options)

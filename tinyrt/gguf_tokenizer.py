@@ -78,8 +78,9 @@ def build_tokenizer(meta: dict[str, Any]):
     except BaseException as e:  # tokenizers raises bare Exceptions on bad input, and panics
         if not (isinstance(e, Exception) or rust_panic(e)):
             raise
+        why = " ".join(str(e).split())[:200]      # (its messages run over several lines)
         raise ModelFormatError(f"the GGUF file's tokenizer is unusable ({type(e).__name__}: "
-                               f"{str(e)[:200]})") from None
+                               f"{why})") from None
 
 
 def _build_tokenizer(meta: dict[str, Any]):

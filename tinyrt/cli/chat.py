@@ -6,11 +6,14 @@ turn per input line. With stdout not a terminal, replies are written as plain te
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.sampling import DEFAULT_MAX_TOKENS, SamplingParams, is_text
@@ -106,6 +109,23 @@ def input_lines(stream, limit: int = MAX_LINE_BYTES):
         while (rest := stream.readline(limit)) and not rest.endswith(b"\n"):
             pass
         yield None
+
+
+MAX_HISTORY_BYTES = 64 << 20     # the chat history read at each start: larger, none is kept
+
+
+def _history_file(path: Path) -> bool:
+    """Whether the chat history may live in `path`: none there yet, or a regular file (a link to
+    one: a history kept elsewhere on purpose) of a sane size. A FIFO there would hang the
+    prompt, a directory or a broken link end each line in a traceback: the history is then
+    kept in memory."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return not os.path.islink(path)     # (a dangling link: the file it names is not ours)
+    except OSError:                          # a link loop, a name too long
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size <= MAX_HISTORY_BYTES
 
 
 class Printer:
@@ -439,12 +459,14 @@ class Terminal:
         def _(event):
             event.current_buffer.insert_text("\n")
 
+        history = InMemoryHistory()
         try:
             path = user_data_path("tinyrt", appauthor=False)
             path.mkdir(parents=True, exist_ok=True)
-            history = FileHistory(str(path / "chat_history"))
+            if _history_file(path / "chat_history"):
+                history = FileHistory(str(path / "chat_history"))
         except OSError:
-            history = InMemoryHistory()
+            pass
         return PromptSession(history=history, key_bindings=keys, multiline=True,
                              prompt_continuation="… ")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -43,6 +44,13 @@ def add_parser(sub) -> None:
     add_runtime_options(r)
 
 
+def _no_upgrade_notes(record) -> bool:
+    """uvicorn's log without its two lines on each request that asks for a WebSocket upgrade
+    (any client may send them, as many as it likes: a flood of the log)."""
+    return not str(record.msg).startswith(("Unsupported upgrade request",
+                                          "No supported WebSocket library"))
+
+
 def main(args: argparse.Namespace) -> int:
     # every option checked before anything loads
     if not 0 <= args.port <= 65535:
@@ -65,8 +73,10 @@ def main(args: argparse.Namespace) -> int:
     llm = load_llm(args, load)
     name = args.alias or str(load["model"] or DEFAULT_MODEL)
     server = Server(llm, name, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
+    # no WebSocket (the API has none): an upgrade request is answered as any other request
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=3)
+                            access_log=False, timeout_graceful_shutdown=3, ws="none")
+    logging.getLogger("uvicorn.error").addFilter(_no_upgrade_notes)
     web = uvicorn.Server(config)
     started = web.startup
 
