@@ -1,5 +1,5 @@
-"""`tinyrt convert`: a GGUF file or HF directory in, a model directory (DESIGN.md) out — float
-weights (method "none") or 4-bit AWQ / round-to-nearest in the AutoAWQ GEMM layout."""
+"""`tinyrt convert`: a GGUF file or HF directory in, a model directory (docs/DESIGN.md) out —
+float weights (method "none") or 4-bit AWQ / round-to-nearest in the AutoAWQ GEMM layout."""
 
 from __future__ import annotations
 

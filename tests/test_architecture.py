@@ -83,3 +83,19 @@ def test_the_command_line_starts_without_numba():
               " 'tinyrt.kernels.cpu', 'starlette', 'uvicorn') if m in sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_every_document_the_code_cites_is_in_the_repository():
+    """A page named in the code, the tests or the docs (`docs/DESIGN.md`, `ARCHITECTURE.md`, ...)
+    is a file of this repository, found from a lone clone."""
+    import re
+
+    sources = [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("tests/*.py"),
+               *ROOT.glob("benchmarks/*.py"),
+               *(p for room in ("tinyrt", "models", "kernels", "converters") for p in files(room))]
+    cited = set()
+    for path in sources:
+        cited |= set(re.findall(r"(?<![\w/.-])((?:docs/)?[A-Z][A-Za-z_]+\.md)\b", path.read_text()))
+    assert "docs/DESIGN.md" in cited
+    missing = sorted(c for c in cited if not (ROOT / c).is_file() and not (ROOT / "docs" / c).is_file())
+    assert not missing, missing

@@ -21,11 +21,11 @@ from tinyrt.kv_cache import CacheOptions, make_cache
 from tinyrt.models.config import ModelConfig
 from tinyrt.models import WeightStore, linear_shapes, load_model
 
-DESIGN_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # DESIGN.md: nibble order of the AutoAWQ GEMM layout
+DESIGN_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # docs/DESIGN.md: nibble order of the AutoAWQ GEMM layout
 
 
 def read_code(packed: np.ndarray, row: int, col: int) -> int:
-    """The 4-bit value at [row, col] of a packed tensor, by DESIGN.md's definition: word col // 8 of
+    """The 4-bit value at [row, col] of a packed tensor, by docs/DESIGN.md's definition: word col // 8 of
     the row; the nibble at shift 4*j holds column 8*(col // 8) + ORDER[j]."""
     word = int(packed[row, col // 8]) & 0xFFFFFFFF
     j = DESIGN_ORDER.index(col % 8)

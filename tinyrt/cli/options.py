@@ -1,4 +1,4 @@
-"""Options shared by the front ends (one vocabulary, DESIGN.md)."""
+"""Options shared by the front ends (one vocabulary, docs/DESIGN.md)."""
 
 from __future__ import annotations
 
