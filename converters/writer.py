@@ -108,36 +108,31 @@ def check_output(out: Path, force: bool = False, src: Path | None = None) -> Pat
 
 
 def _remove_output(directory: Path) -> None:
-    """An output of tinyrt's, moved aside: the files in it that its manifest lists, then the
-    directory if that left it empty (anything else is not ours to delete). The names come from
-    the directory's own listing, never from the manifest: "../x" in one would name a file
-    elsewhere."""
+    """An output of tinyrt's, moved aside: the files in it that its manifest lists (then the
+    directory, if that left it empty). The names come from the directory's own listing, never
+    from the manifest: "../x" in one would name a file elsewhere."""
     files = _manifest(directory)
-    if files is None:
-        return
-    try:
-        with os.scandir(directory) as entries:
-            ours = [e.name for e in entries if e.name in files or e.name == MANIFEST]
-    except OSError:
-        return
-    for name in ours:
-        with contextlib.suppress(OSError):
-            os.unlink(directory / name)
-    with contextlib.suppress(OSError):
-        os.rmdir(directory)
+    if files is not None:
+        _remove_files(directory, lambda e: e.name in files or e.name == MANIFEST)
 
 
 def _remove_temporary(directory: Path) -> None:
     """A killed conversion's temporary directory (its manifest marks it as tinyrt's): the files
-    of the names a conversion writes, then the directory if that left it empty (anything else
-    in it is not tinyrt's to delete)."""
+    of the names a conversion writes (then the directory, if that left it empty)."""
+    _remove_files(directory, lambda e: (e.name in _OUTPUTS or _SHARD.fullmatch(e.name))
+                  and e.is_file(follow_symlinks=False))
+
+
+def _remove_files(directory: Path, ours) -> None:
+    """The entries of `directory` that `ours(entry)` picks, the manifest last (the mark that
+    they are tinyrt's), then the directory if that left it empty: anything else in it is not
+    tinyrt's to delete."""
     try:
         with os.scandir(directory) as entries:
-            ours = [e.name for e in entries if (e.name in _OUTPUTS or _SHARD.fullmatch(e.name))
-                    and e.is_file(follow_symlinks=False)]
+            names = [e.name for e in entries if ours(e)]
     except OSError:
         return
-    for name in sorted(ours, key=lambda n: n == MANIFEST):      # the mark goes last
+    for name in sorted(names, key=lambda n: n == MANIFEST):
         with contextlib.suppress(OSError):
             os.unlink(directory / name)
     with contextlib.suppress(OSError):
