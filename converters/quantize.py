@@ -4,9 +4,9 @@ For a group with minimum lo and maximum hi, its range widened to hold 0 (lo <= 0
 point must be a code, or a group of one sign, constant ones too, clips to nonsense; a group of
 both signs, every real one, is as AutoAWQ quantizes it): s = (hi - lo) / (2^bits - 1) (rounded to
 float16, the precision it is stored in), z = round(-lo / s) clipped to [0, 2^bits - 1],
-q = clip(round(w / s) + z). The value it stands for is (q - z) * s. All in float32, rounding half to even as NumPy does. The
-passes over the weights are Numba loops on all cores: AWQ's searches quantize every layer's
-weights some sixty times.
+q = clip(round(w / s) + z). The value it stands for is (q - z) * s. All in float32, rounding
+half to even as NumPy does. The passes over the weights are Numba loops on all cores: AWQ's
+searches quantize every layer's weights some sixty times.
 """
 
 from __future__ import annotations

@@ -204,9 +204,10 @@ class ModelConfig:
             raise fail(f"unsupported activation {self.hidden_act!r} (only silu)")
         if self.attention_bias or self.mlp_bias:
             raise fail("linear layers with bias are not supported")
-        # an epsilon, not a scale, that float32 holds (a smaller one is 0 there); theta above 1 so that the frequencies fall (1 / theta^(i/d)),
-        # and theta and the factor far above any model's yet bounded, so that the slowest
-        # frequency, about 1 / (theta * factor), stays a normal float32
+        # an epsilon, not a scale, that float32 holds (a smaller one is 0 there); theta above 1
+        # so that the frequencies fall (1 / theta^(i/d)), and theta and the factor far above
+        # any model's yet bounded, so that the slowest frequency, about 1 / (theta * factor),
+        # stays a normal float32
         _check_number("rms_norm_eps", self.rms_norm_eps, FLOAT32_TINY, 1, low_ok=True)
         _check_number("rope_theta", self.rope_theta, 1, MAX_ROPE_THETA)
         if self.rope_scaling is not None:

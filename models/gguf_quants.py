@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from numba import njit, prange
 
 from tinyrt.kernels.quant import QuantWeight, make
+from tinyrt.models.weights import all_finite
 
 QK_K = 256  # values in a K-quant super-block
 
@@ -229,8 +230,7 @@ def finite_scales(raw: np.ndarray, qtype: Q) -> bool:
     """Whether every float16 field of the blocks of raw uint8 [rows, bytes_per_row] (a type
     of FLOAT_FIELDS) is finite: whether the rows dequantize to finite values."""
     b = _blocks(raw, qtype)
-    return all(int((_f16(b, at).view(np.uint16) & 0x7FFF).max(initial=0)) < 0x7C00
-               for at in FLOAT_FIELDS[qtype])
+    return all(all_finite(_f16(b, at)) for at in FLOAT_FIELDS[qtype])
 
 
 def to_quant(raw: np.ndarray, qtype: Q, n_in: int) -> QuantWeight:

@@ -78,11 +78,6 @@ def option_name(key: str, flags: bool = False) -> str:
     return "--" + key.replace("_", "-") if flags else key
 
 
-def _show(value: Any) -> str:
-    """A value for a one-line message, cut short."""
-    return shown(value)
-
-
 def check_value(key: str, value: Any, name: str | None = None) -> Any:
     """`value` of setting `key` (RULES, or stop or ignore_eos) as the runtime uses it: an int or
     a float (a tiny temperature 0, seed -1 None), stop a list of strings; None (the default)
@@ -94,19 +89,19 @@ def check_value(key: str, value: Any, name: str | None = None) -> Any:
         return _check_stop(value, name)
     if key == "ignore_eos":
         if not isinstance(value, (bool, np.bool_)):
-            raise SettingError(name, f"{name} must be true or false, got {_show(value)}")
+            raise SettingError(name, f"{name} must be true or false, got {shown(value)}")
         return bool(value)
     integer, ok, rule = RULES[key]
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, kind):
-        raise SettingError(name, f"{name} must be {rule}, got {_show(value)}")
+        raise SettingError(name, f"{name} must be {rule}, got {shown(value)}")
     try:
         v = int(value) if integer else float(value)
     except OverflowError:                    # an int past float's range
         v = math.inf
     # (an int is compared as it is: math.isfinite of one past float's range overflows)
     if not integer and not math.isfinite(v) or not ok(v):
-        raise SettingError(name, f"{name} must be {rule}, got {_show(value)}")
+        raise SettingError(name, f"{name} must be {rule}, got {shown(value)}")
     if key == "temperature" and v < MIN_TEMPERATURE:
         return 0.0
     if key == "seed" and v == -1:            # (as llama.cpp: a random seed)
@@ -120,11 +115,11 @@ def _check_stop(value: Any, name: str) -> list[str]:
             f"most {MAX_STOP_CHARS} characters")
     if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS or not all(
             isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-        raise SettingError(name, f"{rule}, got {_show(value)}")
+        raise SettingError(name, f"{rule}, got {shown(value)}")
     for s in stops:
         if not is_text(s):
             raise SettingError(name, f"{name} is not valid Unicode text (an invalid byte or a "
-                                     f"lone surrogate in {_show(s)})")
+                                     f"lone surrogate in {shown(s)})")
     return list(stops)
 
 
