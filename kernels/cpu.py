@@ -247,40 +247,64 @@ def _activation_buffers(rows, n_in, group):
             np.zeros((rows, n_in // block), np.float32), np.zeros((rows, n_in // block), np.float32))
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _tile_dots(w, k, xp, sx, xsum, t, out, m):
+    """simd's tile_dot of w's code width for the m tokens t .. t+m-1 (m = GEMM_TOKENS,
+    FEW_TOKENS, 2 or 1)."""
+    if m == simd.GEMM_TOKENS:
+        if w.bits == 4:
+            simd.gemm_dot4(w, k, xp, sx, xsum, t, out)
+        elif w.bits == 5:
+            simd.gemm_dot5(w, k, xp, sx, xsum, t, out)
+        elif w.bits == 6:
+            simd.gemm_dot6(w, k, xp, sx, xsum, t, out)
+        else:
+            simd.gemm_dot8(w, k, xp, sx, xsum, t, out)
+    elif m == simd.FEW_TOKENS:
+        if w.bits == 4:
+            simd.few_dot4(w, k, xp, sx, xsum, t, out)
+        elif w.bits == 5:
+            simd.few_dot5(w, k, xp, sx, xsum, t, out)
+        elif w.bits == 6:
+            simd.few_dot6(w, k, xp, sx, xsum, t, out)
+        else:
+            simd.few_dot8(w, k, xp, sx, xsum, t, out)
+    elif m == 2:
+        if w.bits == 4:
+            simd.pair_dot4(w, k, xp, sx, xsum, t, out)
+        elif w.bits == 5:
+            simd.pair_dot5(w, k, xp, sx, xsum, t, out)
+        elif w.bits == 6:
+            simd.pair_dot6(w, k, xp, sx, xsum, t, out)
+        else:
+            simd.pair_dot8(w, k, xp, sx, xsum, t, out)
+    elif w.bits == 4:
+        simd.tile_dot4(w, k, xp, sx, xsum, t, out)
+    elif w.bits == 5:
+        simd.tile_dot5(w, k, xp, sx, xsum, t, out)
+    elif w.bits == 6:
+        simd.tile_dot6(w, k, xp, sx, xsum, t, out)
+    else:
+        simd.tile_dot8(w, k, xp, sx, xsum, t, out)
+
+
 @njit(fastmath=True, cache=True)
 def _q_tiles(xp, sx, xsum, w, y, k0, k1):
     """Tiles k0 .. k1-1 of the GEMV of a QLinear w for T tokens' activations xp, sx, xsum
     [T, ...] (from quantize_pairs) into y [T, out]: FEW_TOKENS tokens at a time while there are
-    as many left (simd.few_dot4 ... few_dot8: a tile's codes taken apart once for them), the
-    rest one at a time (simd.tile_dot4 ... tile_dot8). A tile stays in the L1 cache from one
-    token to the next; each token's outputs are the same sums in the same order whatever T."""
+    as many left, then two, then one (_tile_dots: a tile's codes taken apart once for the
+    tokens of a call). A tile stays in the L1 cache from one token to the next; each token's
+    outputs are the same sums in the same order whatever T."""
     T, n_out = y.shape
-    F = simd.FEW_TOKENS
-    out = np.empty((F, simd.LANES), np.float32)
+    F, G = simd.FEW_TOKENS, simd.GEMM_TOKENS
+    out = np.empty((G, simd.LANES), np.float32)
     for k in range(k0, k1):
         c0 = k * simd.LANES
         n = min(simd.LANES, n_out - c0)
         t = 0
         while t < T:
-            few = T - t >= F
-            if few:
-                if w.bits == 4:
-                    simd.few_dot4(w, k, xp, sx, xsum, t, out)
-                elif w.bits == 5:
-                    simd.few_dot5(w, k, xp, sx, xsum, t, out)
-                elif w.bits == 6:
-                    simd.few_dot6(w, k, xp, sx, xsum, t, out)
-                else:
-                    simd.few_dot8(w, k, xp, sx, xsum, t, out)
-            elif w.bits == 4:
-                simd.tile_dot4(w, k, xp, sx, xsum, t, out)
-            elif w.bits == 5:
-                simd.tile_dot5(w, k, xp, sx, xsum, t, out)
-            elif w.bits == 6:
-                simd.tile_dot6(w, k, xp, sx, xsum, t, out)
-            else:
-                simd.tile_dot8(w, k, xp, sx, xsum, t, out)
-            m = F if few else 1
+            m = G if T - t >= G else F if T - t >= F else min(2, T - t)
+            _tile_dots(w, k, xp, sx, xsum, t, out, m)
             for i in range(m):
                 for j in range(n):
                     y[t + i, c0 + j] = out[i, j]

@@ -59,12 +59,15 @@ def _prefetch(builder, address):
 
 def _pair_sums(context, builder, planes, xp_ptrs):
     """IR: for each token's pairs xp_ptrs[i] (pointing at its int32 [in/2]), the int32 vector
-    [LANES] of sums, over the code planes (w_ptr, bits, r0, r1, up) and their word rows r in
-    [r0, r1) and m < P = 16 / bits, of
+    [LANES] of sums, over the code planes (w_ptr, bits, r0, r1, up, high) and their word rows r
+    in [r0, r1) and m < P = 16 / bits, of
     lo(c) * lo(xp[P r + m]) + hi(c) * hi(xp[P r + m]), c = ((w[r, j] >> bits m) & mask) << up
     (lo and hi: the 16-bit halves, mask keeping `bits` bits of each), w_ptr pointing at the
     tile's row 0 (int32 [rows, LANES]): the codes' planes, each shifted to its place in the
-    code, in one sum. A word's codes are taken apart once for all the tokens. Each row's load
+    code, in one sum. `high` (or None), a plane of the same layout whose values are the codes'
+    bits 4..7 (8-bit codes), joins c as c | (its value << 4): one multiply-add for the whole
+    code (values up to 255 times int16 activations: a block's sum stays within int32). A
+    word's codes are taken apart once for all the tokens. Each row's load
     asks for the memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the
     hardware's prefetch alone leaves it waiting on memory (measured: 0.7x the time with it)."""
     intp = context.get_value_type(types.intp)
@@ -88,21 +91,28 @@ def _pair_sums(context, builder, planes, xp_ptrs):
     def splat32(v):
         return ir.Constant(vec, [v] * LANES)
 
-    for w_ptr, bits, r0, r1, up in planes:
+    def shifted(words, shift):     # words >> shift (<< -shift where negative)
+        return words if shift == 0 else (builder.lshr(words, splat32(shift)) if shift > 0
+                                          else builder.shl(words, splat32(-shift)))
+
+    for w_ptr, bits, r0, r1, up, high in planes:
         pairs = 16 // bits
         mask = splat32((((1 << bits) - 1) * 0x10001) << up)
         with cgutils.for_range(builder, r1, start=r0) as row:
             r = row.index
-            ptr = builder.gep(w_ptr, [builder.mul(r, const(LANES))])
-            words = builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
-            _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
-                                           [const(PREFETCH_BYTES)]))
+            rows = []
+            for base in (w_ptr, high) if high is not None else (w_ptr,):
+                ptr = builder.gep(base, [builder.mul(r, const(LANES))])
+                rows.append(builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4))
+                _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
+                                               [const(PREFETCH_BYTES)]))
             for m in range(pairs):
-                shift = bits * m - up                  # the code's bits m .. to bit `up`
-                codes = words if shift == 0 else (
-                    builder.lshr(words, splat32(shift)) if shift > 0
-                    else builder.shl(words, splat32(-shift)))
-                codes = builder.sext(builder.bitcast(builder.and_(codes, mask), halves), wide)
+                # the code's bits m .. to bit `up`
+                codes = builder.and_(shifted(rows[0], bits * m - up), mask)
+                if high is not None:
+                    codes = builder.or_(codes, builder.and_(shifted(rows[1], bits * m - 4),
+                                                            splat32(0xF000F0)))
+                codes = builder.sext(builder.bitcast(codes, halves), wide)
                 at = builder.add(builder.mul(r, const(pairs)), const(m))
                 for xp_ptr, token_accs in zip(xp_ptrs, accs):
                     acc = token_accs[m % chains]
@@ -135,7 +145,8 @@ def _tile_dot(bits: int, tokens: int = 1):
     xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs). The integer dot is
     pairwise multiply-adds of 16-bit codes and activations, 32 per instruction (x86 pmaddwd or
     vpdpwssd, Arm smull + addp): over the 4-bit plane of the codes' low bits, plus 16 times the
-    same over the plane of their high bits-4 bits. A group's s and m are computed from the
+    same over the plane of their high bits-4 bits (8-bit codes: both planes' values joined into
+    one 16-bit code first, half the multiply-adds). A group's s and m are computed from the
     tile's scale and offset arrays as kernels.quant defines them (a float times an optional
     int8; no offset array: m = -zero s), the arrays a layer lacks being empty (branches that
     go the same way for a whole layer). The LANES outputs stay in a register from the first
@@ -210,10 +221,13 @@ def _tile_dot(bits: int, tokens: int = 1):
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
                 r0 = builder.mul(b, lo_rows)
-                planes = [(lo_ptr, 4, r0, builder.add(r0, lo_rows), 0)]
-                if high:
+                if high == 4:             # 8-bit codes: both planes in one multiply-add
+                    planes = [(lo_ptr, 4, r0, builder.add(r0, lo_rows), 0, hi_ptr)]
+                else:
+                    planes = [(lo_ptr, 4, r0, builder.add(r0, lo_rows), 0, None)]
+                if 0 < high < 4:
                     h0 = builder.mul(b, hi_rows)
-                    planes.append((hi_ptr, high, h0, builder.add(h0, hi_rows), 4))
+                    planes.append((hi_ptr, high, h0, builder.add(h0, hi_rows), 4, None))
                 dots = _pair_sums(context, builder, planes, xp_ptrs)
                 gi, si, mi = (builder.load(at[name]) for name in ("gi", "si", "mi"))
                 builder.store(_vector_at(builder, pointer("s", kv, si, const(0)), const(0),
@@ -261,6 +275,10 @@ tile_dot5 = _tile_dot(5)
 tile_dot6 = _tile_dot(6)
 tile_dot8 = _tile_dot(8)
 FEW_TOKENS = 4      # tokens per tile_dot of a draft's verification: the codes taken apart once
+pair_dot4 = _tile_dot(4, 2)     # two tokens (a verification's last two, or a draft of one)
+pair_dot5 = _tile_dot(5, 2)
+pair_dot6 = _tile_dot(6, 2)
+pair_dot8 = _tile_dot(8, 2)
 few_dot4 = _tile_dot(4, FEW_TOKENS)
 few_dot5 = _tile_dot(5, FEW_TOKENS)
 few_dot6 = _tile_dot(6, FEW_TOKENS)

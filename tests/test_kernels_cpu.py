@@ -102,10 +102,11 @@ def test_float_linear(n_in, n_out, T, threads):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q6", "q8", "int8", "float"])
-@pytest.mark.parametrize("T", [2, 9, cpu.SMALL_TOKENS])
+@pytest.mark.parametrize("T", [2, 6, 9, 15, cpu.SMALL_TOKENS])
 def test_few_tokens_equal_one_at_a_time(kind, T):
-    """A few tokens' linear (a draft's verification) gives each token, to the bit, its one-token
-    result: greedy speculative decoding depends on it."""
+    """A few tokens' linear (a draft's verification: 8, 4, 2 and 1 tokens a pass over a tile)
+    gives each token, to the bit, its one-token result: greedy speculative decoding depends
+    on it."""
     n_in, n_out = 576, 1000
     be = cpu.CpuBackend()
     if kind in ("q4", "q6", "q8"):
