@@ -10,6 +10,8 @@ from typing import Any
 
 from tinyrt.errors import ModelFormatError
 
+from .families import family
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # The largest size or token id a config may name: no real model comes near it, and beyond it the
 # runtime's int32 token ids and positions (and NumPy's shapes) would overflow. Whether the weights
@@ -143,8 +145,6 @@ class ModelConfig:
             raise ModelFormatError("the config is not a JSON object")
         d = dict(d)
         if isinstance(d.get("model_type", "llama"), str):
-            from .families import family
-
             d = family(d.get("model_type", "llama")).adapt_config(d)
         # transformers 5 writes rope settings under `rope_parameters`; older files use the two keys.
         params = d.pop("rope_parameters", None)
@@ -180,8 +180,6 @@ class ModelConfig:
         """The ranges of the values (from_dict has checked their kinds): messages name the field;
         from_dict adds the file."""
         fail = ModelFormatError
-        from .families import family
-
         family(self.model_type)               # a clear error for a family tinyrt does not run
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -257,6 +255,11 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def family(self):
+        """Its entry of models.FAMILIES (models.base.Family)."""
+        return family(self.model_type)
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         e = self.eos_token_id
         if e is None:
@@ -285,8 +288,6 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json we write: HF key names, None values left out."""
-        from .families import family
-
         d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
         d.setdefault("architectures", [family(self.model_type).architecture])
         return d

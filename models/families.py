@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tinyrt.errors import ModelFormatError
 
-from .llama import LLAMA, MISTRAL, Family
+from .base import Family
+from .llama import LLAMA, MISTRAL
 from .qwen2 import QWEN2
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2)}

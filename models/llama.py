@@ -10,16 +10,19 @@ The model returns logits; sampling lives in the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from tinyrt.errors import ModelFormatError
 from tinyrt.kernels import QuantWeight, awq_layout
 
-from .config import ModelConfig
+from .base import Family
 from .rope import rope_inv_freq
 from .weights import ModelWeights, release_pages
+
+if TYPE_CHECKING:          # (config.py imports the families, this one among them)
+    from .config import ModelConfig
 
 
 @dataclass
@@ -241,22 +244,6 @@ class LlamaModel:
         return attend
 
 
-@dataclass(frozen=True)
-class Family:
-    """An architecture family, an entry of models.FAMILIES: its HF `model_type` and class name,
-    its decoder, its name in GGUF files (`general.architecture`) and the HF config keys it
-    reads in its own way."""
-
-    model_type: str
-    architecture: str                  # HF class name, for the config.json we write
-    model: type = LlamaModel
-    gguf_arch: str | None = None       # None: the same as model_type
-    # whether llama.cpp's converter interleaved each head's Q/K rows (its "llama" rope layout)
-    gguf_permuted_qk: bool = True
-    # HF config dict -> the dict the config dataclass reads (keys this family uses otherwise)
-    adapt_config: Callable[[dict], dict] = staticmethod(lambda d: d)
-
-
-LLAMA = Family("llama", "LlamaForCausalLM")
-MISTRAL = Family("mistral", "MistralForCausalLM")
+LLAMA = Family("llama", "LlamaForCausalLM", LlamaModel)
+MISTRAL = Family("mistral", "MistralForCausalLM", LlamaModel)
 

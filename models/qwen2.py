@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from tinyrt.errors import ModelFormatError
 
-from .llama import Family, LlamaModel
+from .base import Family
+from .llama import LlamaModel
 
 
 class Qwen2Model(LlamaModel):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .config import ModelConfig
+if TYPE_CHECKING:          # (config.py imports the families, whose models import this module)
+    from .config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

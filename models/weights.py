@@ -323,14 +323,12 @@ class ModelWeights:
         expected shapes are listed per layer, and a config that claims 10^8 layers would take
         gigabytes to list), then each tensor's presence and shape (which bounds every other
         size: vocabulary, hidden, heads)."""
-        from tinyrt.models.families import family      # (models.llama imports this module)
-
         cfg, held = self.config, held_layers(have)
         if cfg.num_hidden_layers > held:
             raise ModelFormatError(f"{self.name}: {self.config_name} claims "
                                    f"{cfg.num_hidden_layers} layers (num_hidden_layers), its "
                                    f"tensors hold {held}")
-        for name, shape in family(cfg.model_type).model.expected_shapes(cfg).items():
+        for name, shape in cfg.family.model.expected_shapes(cfg).items():
             if name not in have:
                 raise ModelFormatError(
                     f"{self.name}: tensor {self._stored_name(name)!r} is missing")

@@ -15,12 +15,29 @@ FRONT_ENDS = {"tinyrt/registry.py"} | {str(p.relative_to(ROOT)) for p in (ROOT /
 ROOMS = {"kernels": "tinyrt.kernels", "models": "tinyrt.models", "converters": "tinyrt.converters"}
 
 
-def imports(path: Path) -> set[str]:
-    """Every module a file imports, at its top or inside a function, as absolute names."""
+def module_name(path: Path) -> str:
+    """The name `path` (a file of the package) imports as."""
     rel = path.relative_to(ROOT)
     package = ROOMS.get(rel.parts[0], ".".join(("tinyrt", *rel.parts[1:-1])))
+    return package if path.name == "__init__.py" else f"{package}.{path.stem}"
+
+
+def imports(path: Path, *, typing_only: bool = True) -> set[str]:
+    """Every module a file imports, at its top or inside a function, as absolute names (with
+    typing_only=False, not those under `if TYPE_CHECKING:`, which never run)."""
+    rel = path.relative_to(ROOT)
+    package = ROOMS.get(rel.parts[0], ".".join(("tinyrt", *rel.parts[1:-1])))
+    if path.name == "__init__.py":
+        package = module_name(path)
+    tree = ast.parse(path.read_text())
+    skip = set() if typing_only else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        for part in node.body for n in ast.walk(part)}
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -57,6 +74,30 @@ def test_the_arrows_point_one_way():
         if str(path.relative_to(ROOT)) not in front:
             bad = {m for m in imports(path) if m.startswith(("tinyrt.cli", "tinyrt.server"))}
             assert not bad, (path, bad)
+
+
+def test_no_import_runs_in_a_circle():
+    """No chain of imports (at a file's top or inside a function) leads from a module back to
+    itself: each module can be read knowing only those below it."""
+    paths = [p for room in ("tinyrt", *ROOMS) for p in files(room)]
+    names = {module_name(p): p for p in paths}
+    graph = {m: {i for i in imports(p, typing_only=False) if i in names and i != m
+                 and not m.startswith(i + ".")}          # (a package runs before its modules)
+             for m, p in names.items()}
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            raise AssertionError("imports in a circle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m not in done:
+            path.append(m)
+            for i in sorted(graph[m]):
+                visit(i)
+            path.pop()
+            done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
 
 
 def test_a_loaded_model_runs_without_the_converter(tmp_path):

@@ -51,3 +51,10 @@ def check_int(name: str, value, low: int, high: int | None = None) -> int:
         bound = f"from {low:,} to {high:,}" if high is not None else f"of at least {low:,}"
         raise TinyrtError(f"{name} must be a whole number {bound}, not {shown(value)}")
     return int(value)
+
+
+def rust_panic(e: BaseException) -> bool:
+    """Whether `e` is a panic inside the Rust of `tokenizers`: pyo3 raises it as
+    pyo3_runtime.PanicException, a BaseException (no `except Exception` catches it) that cannot be
+    imported by name."""
+    return type(e).__name__ == "PanicException"

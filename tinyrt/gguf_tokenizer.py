@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinyrt.errors import ModelFormatError
+from tinyrt.errors import ModelFormatError, rust_panic
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -69,8 +69,6 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
 def build_tokenizer(meta: dict[str, Any]):
     """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (keys without `tokenizer.ggml.`)."""
-    from tinyrt.tokenizer import rust_panic
-
     try:
         return _build_tokenizer(meta)
     except (ModelFormatError, MemoryError):

@@ -18,20 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from tinyrt.errors import ModelFormatError
+from tinyrt.errors import ModelFormatError, rust_panic
 from tinyrt.paths import (MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, read_bytes, read_json, read_text,
                           shown, stat_or_none)
 
 
 def _read_json(path: Path) -> dict:
     return read_json(path, missing_ok=True) or {}
-
-
-def rust_panic(e: BaseException) -> bool:
-    """Whether `e` is a panic inside the Rust of `tokenizers`: pyo3 raises it as
-    pyo3_runtime.PanicException, a BaseException (no `except Exception` catches it) that cannot be
-    imported by name."""
-    return type(e).__name__ == "PanicException"
 
 
 # Pathological regexes. `tokenizers` matches its patterns with Oniguruma, a backtracking engine:
