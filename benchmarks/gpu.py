@@ -399,7 +399,7 @@ def main() -> int:
     shapes = SMOKE if args.smoke else SHAPES
     for name in names:
         if name == "default":
-            from tinyrt.registry import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
+            from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
 
             cached = cache_dir() / "gguf" / Path(KNOWN_MODELS[DEFAULT_MODEL].member).name
             path = args.default_model or cached

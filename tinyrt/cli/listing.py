@@ -63,7 +63,8 @@ def kernel_cache() -> tuple[list[Path], int] | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tinyrt.registry import cache_dir, hf_cached, hf_hub_cache, tinyrt_cached
+    from tinyrt.model_cache import cache_dir, tinyrt_cached
+    from tinyrt.registry import hf_cached, hf_hub_cache
 
     rows = [(m.name, size_text(m.size), m.owner, m.source) for m in tinyrt_cached() + hf_cached()]
     if rows:

@@ -29,7 +29,8 @@ def _confirm(question: str) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     from tinyrt.cli.listing import size_text
-    from tinyrt.registry import ALIASES, cache_dir, hf_cached, remove_cached, tinyrt_cached
+    from tinyrt.model_cache import cache_dir, remove_cached, tinyrt_cached
+    from tinyrt.registry import ALIASES, hf_cached
 
     if args.all == bool(args.names):
         raise TinyrtError("name the models to remove, or --all (not both)")
