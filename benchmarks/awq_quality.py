@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--out", default="awq-quality")
     args = ap.parse_args()
     if args.src is None:
-        from tinyrt.registry import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
+        from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
         args.src = str(fetch_gguf(KNOWN_MODELS[DEFAULT_MODEL]))
     out = Path(args.out)
     out.mkdir(exist_ok=True)

@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gguf is None:
-        from tinyrt.registry import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
+        from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
 
         args.gguf = str(fetch_gguf(KNOWN_MODELS[DEFAULT_MODEL], quiet=True))
     if args.engine:

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     if args.file is None:
-        from tinyrt.registry import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
+        from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
 
         args.file = str(fetch_gguf(KNOWN_MODELS[DEFAULT_MODEL]))
     for reader in ("tinyrt", "GGUFReader"):

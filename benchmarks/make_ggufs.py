@@ -63,7 +63,7 @@ QUANT_TYPES = {"q4km": ("Q4_K_M", "MOSTLY_Q4_K_M"), "q4_0": ("Q4_0", "MOSTLY_Q4_
 
 def default_gguf() -> Path:
     """The default model's GGUF (Q4_1 linears, Q8_0 token_embd), fetched if it is not cached."""
-    from tinyrt.registry import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
+    from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
 
     return Path(fetch_gguf(KNOWN_MODELS[DEFAULT_MODEL], quiet=True))
 

@@ -332,7 +332,7 @@ def q_gemv(x, w, y, threads):
 def q_gemm(x, w, y, threads):
     """y [T, out] = x [T, in] @ W.T for a prompt and a QLinear w, in integers as q_gemv does it
     (each token's activations, sums and outputs are those of q_gemv), with a tile's codes taken
-    apart once for GEMM_TOKENS tokens (simd.gemm_dot4 ...). The tokens go in blocks whose
+    apart once for GEMM_TOKENS tokens (_tile_dots). The tokens go in blocks whose
     activations fit in GEMM_ACT_BYTES (the L2 cache); in each, `threads` tasks take runs of
     tiles, a tile read from memory once per block and from L1 for its tokens."""
     T, n_in = x.shape
@@ -354,14 +354,7 @@ def q_gemm(x, w, y, threads):
                 c0 = k * simd.LANES
                 n = min(simd.LANES, n_out - c0)
                 for t in range(t0, t1, N):
-                    if w.bits == 4:
-                        simd.gemm_dot4(w, k, xp, sx, xsum, t, out)
-                    elif w.bits == 5:
-                        simd.gemm_dot5(w, k, xp, sx, xsum, t, out)
-                    elif w.bits == 6:
-                        simd.gemm_dot6(w, k, xp, sx, xsum, t, out)
-                    else:
-                        simd.gemm_dot8(w, k, xp, sx, xsum, t, out)
+                    _tile_dots(w, k, xp, sx, xsum, t, out, N)
                     for i in range(min(N, T - t)):
                         for j in range(n):
                             y[t + i, c0 + j] = out[i, j]

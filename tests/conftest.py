@@ -138,7 +138,7 @@ def long_text() -> str:
 
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
-    from tinyrt.registry import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
+    from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
 
     return fetch_gguf(KNOWN_MODELS[DEFAULT_MODEL], quiet=True)
 

