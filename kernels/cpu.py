@@ -247,7 +247,7 @@ def _activation_buffers(rows, n_in, group):
             np.zeros((rows, n_in // block), np.float32), np.zeros((rows, n_in // block), np.float32))
 
 
-@njit(fastmath=True, cache=True, inline="always")
+@njit(fastmath=True, cache=True)
 def _tile_dots(w, k, xp, sx, xsum, t, out, m):
     """simd's tile_dot of w's code width for the m tokens t .. t+m-1 (m = GEMM_TOKENS,
     FEW_TOKENS, 2 or 1)."""
