@@ -4,6 +4,7 @@ that our reader is checked against files it did not produce)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 from pathlib import Path
@@ -256,3 +257,38 @@ def assert_refused(p, *words: str) -> str:
         assert w.lower() in lines[0].lower(), (w, lines[0])
     assert p.peak_bytes < HOSTILE_BYTES, f"peak RSS {p.peak_bytes / 2**20:.0f} MiB: {lines[0]}"
     return lines[0]
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X >= x) for X chi-square with df degrees of freedom (the regularized upper incomplete
+    gamma function, from its power series)."""
+    a, z = df / 2, x / 2
+    if z <= 0:
+        return 1.0
+    term = total = 1.0 / a
+    n = 0
+    while term > 1e-17 * total:
+        n += 1
+        term *= z / (a + n)
+        total += term
+    return max(0.0, 1.0 - math.exp(a * math.log(z) - z - math.lgamma(a)) * total)
+
+
+def fit_p(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Chi-square test that counts [G, C] were drawn from the expected counts [G, C]: G groups
+    (say, by the token before), each one multinomial (its smallest cells pooled until their
+    expected count reaches 5). A group whose expected counts sum draws of different
+    distributions (one per trial) varies less than a multinomial: the test is then
+    conservative. A token whose expected count is 0 must never come."""
+    counts, expected = np.atleast_2d(counts), np.atleast_2d(expected)
+    assert counts[expected == 0].sum() == 0, "a token the target never draws"
+    stat, df = 0.0, 0
+    for o, e in zip(counts, expected):
+        order = np.argsort(e)
+        small = np.cumsum(np.append(0, e[order][:-1])) < 5       # the pool reaches 5
+        o = np.append(o[order][~small], o[order][small].sum())
+        e = np.append(e[order][~small], e[order][small].sum())
+        live = e > 0
+        stat += ((o[live] - e[live]) ** 2 / e[live]).sum()
+        df += max(live.sum() - 1, 0)
+    return chi2_sf(stat, df) if df else 1.0

@@ -6,7 +6,7 @@ cache the device hands back) for every policy."""
 import numpy as np
 import pytest
 
-from helpers import rel_err, tiny_config, write_tiny_model
+from helpers import fit_p, rel_err, seeded_rng, tiny_config, write_tiny_model
 from tinyrt import device_decode
 from tinyrt.kernels import gpu, gpu_step as gs
 from tinyrt.kernels import reference as ref
@@ -16,18 +16,12 @@ from tinyrt.sampling import Sampler, SamplingParams, filtered_probs
 pytestmark = pytest.mark.usefixtures("quick_barriers")
 
 
-def _rng():
-    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
-    print("seed", seed)
-    return np.random.default_rng(seed)
-
-
 @pytest.mark.parametrize("policy, size", [("dense", 12), ("sink", 7), ("h2o", 7)])
 def test_state_kernels_follow_the_cache_policy(policy, size):
     """begin and take_slot(_h2o), step after step, give the slots, positions, lengths and sink
     shifts that the host cache's allocate(1) gives (h2o: with the same scores added between
     steps, the same victims)."""
-    rng = _rng()
+    rng = seeded_rng()
     L, G, D = 2, 2, 8
     be = gpu.CudaBackend()
     layout = KVLayout(L, G, D, 1 / 10000 ** (np.arange(D // 2) / (D // 2)))
@@ -88,7 +82,7 @@ def test_rope_row_is_the_reference_table():
 def test_device_sampler_draws_from_the_host_distribution(params):
     """The device sampler's penalized logits and candidates are the host sampler's (ids and
     probabilities), and its draws land on candidates; greedy gives the host's argmax."""
-    rng = _rng()
+    rng = seeded_rng()
     be = gpu.CudaBackend()
     V = 300
     host = Sampler(SamplingParams(**params, seed=1))
@@ -119,6 +113,30 @@ def test_device_sampler_draws_from_the_host_distribution(params):
     assert int(be.to_numpy(out)[0]) == Sampler(penalized)(logits, history)
 
 
+def test_device_sampler_draws_follow_the_host_probabilities():
+    """Draws from fixed logits, thousands of them across blocks of uniforms: each candidate comes
+    as often as the host sampler's probability says (a chi-square test that fails a right
+    sampler once in 10^4 runs), and nothing else ever comes."""
+    rng = seeded_rng()
+    be = gpu.CudaBackend()
+    V, N = 64, 3 * device_decode.UNIFORMS
+    host = Sampler(SamplingParams(temperature=0.8, top_k=24, top_p=0.95, min_p=0.01,
+                                  repeat_penalty=1.0, seed=1))     # (no penalty: fixed odds)
+    dev = device_decode.DeviceSampler(be, host, V, seed=int(rng.integers(2 ** 31)))
+    dev.start([])
+    logits = (rng.standard_normal(V) * 2).astype(np.float32)
+    ids, probs = filtered_probs(host.penalized(logits, []), host.params)
+    out, counts = be.zeros(1, np.int64), np.zeros(V)
+    for i in range(N):
+        if i % device_decode.UNIFORMS == 0:
+            dev.refill()
+        dev(be.dev(logits[None]), out)
+        counts[int(be.to_numpy(out)[0])] += 1
+    expected = np.zeros(V)
+    expected[ids] = probs * N
+    assert fit_p(counts, expected) > 1e-4
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     cfg = tiny_config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -137,12 +155,17 @@ def test_generation_on_the_device_is_the_host_s(tiny, monkeypatch, policy, size,
 
     opts = dict(device="cuda", kv_policy=policy, kv_size=size, kv_type=kv_type, sinks=2)
     dev, host = tinyrt.LLM(tiny, **opts), tinyrt.LLM(tiny, **opts)
-    ids = list(_rng().integers(3, 300, 5))
+    ids = list(seeded_rng().integers(3, 300, 5))
     kw = dict(max_tokens=24, ignore_eos=True, temperature=0, repeat_penalty=1.2)
+    steps, step = [], device_decode.DeviceDecoder.step
+    monkeypatch.setattr(device_decode.DeviceDecoder, "step",
+                        lambda self, token: steps.append(token) or step(self, token))
     got = _tokens(dev.generation(ids, **kw))
+    ran = len(steps)
+    assert ran >= len(got) - 1             # the tokens after the first came from the device
     monkeypatch.setattr(device_decode, "usable", lambda model, cache: False)
     want = _tokens(host.generation(ids, **kw))
-    assert got == want
+    assert got == want and len(steps) == ran     # and the host's from the host
     a, b = dev.cache, host.cache
     assert (a.next_pos, a.length, a.span) == (b.next_pos, b.length, b.span)
     assert np.array_equal(a.slot_pos, b.slot_pos)
@@ -151,7 +174,7 @@ def test_generation_on_the_device_is_the_host_s(tiny, monkeypatch, policy, size,
     if policy != "dense":
         assert a.rotated_shift == b.rotated_shift > 0
         assert rel_err(dev.backend.to_numpy(a.sink_keys), host.backend.to_numpy(b.sink_keys)) < 1e-6
-    more = [int(t) for t in _rng().integers(3, 300, 3)]
+    more = [int(t) for t in seeded_rng().integers(3, 300, 3)]
     la, lb = (m.backend.to_numpy(m.model.forward(more, m.cache)) for m in (dev, host))
     assert rel_err(la, lb) < 1e-5
 

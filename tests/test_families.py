@@ -13,7 +13,7 @@ from gguf_helpers import write_gguf
 from helpers import (CHATML, byte_level_tokenizer, hf_logits, hf_model, rel_err, seeded_rng,
                      tiny_config)
 from tinyrt.converters import convert
-from tinyrt.kernels import awq_layout, quant, reference
+from tinyrt.kernels import reference
 from tinyrt.models import FAMILIES, WeightStore
 
 rng = seeded_rng(__name__)
@@ -52,21 +52,38 @@ def write_hf_model(directory, family: str, tied: bool, seed: int):
     return directory
 
 
+# AutoAWQ's GEMM packing, written from its documentation (docs/DESIGN.md), not from tinyrt's
+# code: nibble i (bits 4i..4i+3) of word c of a row holds output channel 8c + AWQ_ORDER[i]
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def awq_dequantize(qweight, qzeros, scales, group: int) -> np.ndarray:
+    """An AutoAWQ GEMM layer -> its float weight [out, in]: (q - z) * s per group of inputs."""
+    def unpack(words):                           # int32 [rows, cols/8] -> [rows, cols]
+        nibbles = (words.astype(np.uint32)[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 15
+        out = np.empty(nibbles.shape, np.int64)
+        out[..., AWQ_ORDER] = nibbles
+        return out.reshape(words.shape[0], -1)
+
+    q, z = unpack(qweight), np.repeat(unpack(qzeros), group, axis=0)     # [in, out]
+    return ((q - z) * np.repeat(scales.astype(np.float32), group, axis=0)).T.astype(np.float32)
+
+
 def dequantized_oracle(quantized, directory):
-    """transformers' model of a 4-bit model directory: its linears dequantized, and the head as
-    the int8 rows every tinyrt backend runs a 4-bit model's head as (untied)."""
+    """transformers' model of a 4-bit model directory: its linears dequantized (awq_dequantize),
+    and the head as the int8 rows every tinyrt backend runs a 4-bit model's head as (untied)."""
     import torch
     from safetensors.torch import save_file
 
     store = WeightStore(quantized)
     cfg = json.loads((quantized / "config.json").read_text())
+    group = cfg["quantization_config"]["group_size"]
     w = {}
     for name in store.keys():
         module, part = name.rsplit(".", 1)
         if part == "qweight":
-            parts = (store.get(f"{module}.{p}") for p in awq_layout.QuantizedLinear._fields)
-            w[module + ".weight"] = quant.dequantize(awq_layout.to_quant(
-                awq_layout.QuantizedLinear(*parts)))
+            w[module + ".weight"] = awq_dequantize(*(store.get(f"{module}.{p}")
+                                                     for p in ("qweight", "qzeros", "scales")), group)
         elif part not in ("qzeros", "scales"):
             w[name] = store.get_float(name).astype(np.float32)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])

@@ -157,7 +157,9 @@ def test_completions_whole_streamed_and_from_token_ids(served):
 
 
 def test_sampling_fields_reach_the_sampler(served):
-    """A seed gives the same sample again; penalties and llama.cpp's extras are taken."""
+    """A seed gives the same sample again; penalties and llama.cpp's extras are taken, and act:
+    the greedy reply under a strong frequency penalty holds more distinct tokens than the plain
+    greedy reply of the same prompt, which repeats itself."""
     kw = dict(model="tiny", prompt="The", max_tokens=16, temperature=1.5, top_p=0.9, seed=11,
               presence_penalty=0.5, frequency_penalty=0.5,
               extra_body={"ignore_eos": True, "top_k": 0, "min_p": 0.0})
@@ -166,6 +168,16 @@ def test_sampling_fields_reach_the_sampler(served):
     texts = {served.client.completions.create(**dict(kw, seed=s)).choices[0].text
              for s in range(4)}
     assert len(texts) > 1
+
+    def greedy_ids(**extra):
+        text = served.client.completions.create(
+            model="tiny", prompt="The", max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True}, **extra).choices[0].text
+        return served.llm.tokenizer.encode(text)
+
+    plain, penalized = greedy_ids(), greedy_ids(frequency_penalty=2.0)
+    assert len(set(plain)) < len(plain)             # a tiny random model repeats itself
+    assert len(set(penalized)) > len(set(plain)) and penalized != plain
 
 
 def test_a_follow_up_turn_prefills_only_what_is_new(served):

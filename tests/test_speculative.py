@@ -2,13 +2,12 @@
 distribution (chi-square tests with a stated false-alarm rate), drafters, caches and errors."""
 
 import json
-import math
 
 import numpy as np
 import pytest
 
 import tinyrt
-from helpers import random_weights, seeded_rng, tiny_config, write_tiny_model
+from helpers import chi2_sf, fit_p, random_weights, seeded_rng, tiny_config, write_tiny_model
 from tinyrt.errors import TinyrtError
 from tinyrt.generate import Generation
 from tinyrt.models import load_model
@@ -19,21 +18,6 @@ from tinyrt.tokenizer import load_tokenizer
 
 rng = seeded_rng(__name__)
 ALPHA = 1e-3          # the false-alarm rate of every test here (of its chi-square tests together)
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X chi-square with df degrees of freedom (the regularized upper incomplete
-    gamma function, from its power series)."""
-    a, z = df / 2, x / 2
-    if z <= 0:
-        return 1.0
-    term = total = 1.0 / a
-    n = 0
-    while term > 1e-17 * total:
-        n += 1
-        term *= z / (a + n)
-        total += term
-    return max(0.0, 1.0 - math.exp(a * math.log(z) - z - math.lgamma(a)) * total)
 
 
 def homogeneity_p(a: np.ndarray, b: np.ndarray) -> float:
@@ -50,26 +34,6 @@ def homogeneity_p(a: np.ndarray, b: np.ndarray) -> float:
     exp_b = (a + b) * b.sum() / (a.sum() + b.sum())
     stat = ((a - exp_a) ** 2 / exp_a + (b - exp_b) ** 2 / exp_b).sum()
     return chi2_sf(stat, len(a) - 1)
-
-
-def fit_p(counts: np.ndarray, expected: np.ndarray) -> float:
-    """Chi-square test that counts [G, C] were drawn from the expected counts [G, C]: G groups
-    (say, by the token before), each one multinomial (its smallest cells pooled until their
-    expected count reaches 5). A group whose expected counts sum draws of different
-    distributions (one per trial) varies less than a multinomial: the test is then
-    conservative. A token whose expected count is 0 must never come."""
-    counts, expected = np.atleast_2d(counts), np.atleast_2d(expected)
-    assert counts[expected == 0].sum() == 0, "a token the target never draws"
-    stat, df = 0.0, 0
-    for o, e in zip(counts, expected):
-        order = np.argsort(e)
-        small = np.cumsum(np.append(0, e[order][:-1])) < 5       # the pool reaches 5
-        o = np.append(o[order][~small], o[order][small].sum())
-        e = np.append(e[order][~small], e[order][small].sum())
-        live = e > 0
-        stat += ((o[live] - e[live]) ** 2 / e[live]).sum()
-        df += max(live.sum() - 1, 0)
-    return chi2_sf(stat, df) if df else 1.0
 
 
 def assert_fits(**p_values: float) -> None:
