@@ -68,7 +68,6 @@ def test_group_quantization_error_is_within_half_a_step(g, groups, out, scale):
     assert codes.max() <= 15 and zeros.max() <= 15
     err = np.abs(dequantize(codes, scales, zeros) - w).reshape(out, groups, g)
     step = scales.astype(np.float32)[..., None]
-    wg = w.reshape(out, groups, g)
     # half a step, plus the fp16 rounding of the step (2^-11 relative) over up to 16 steps: a
     # one-sided group too (rare in real weights; AutoAWQ clamps its zero point and only the
     # grid's reach bounded its error), whose grid is widened to hold 0
