@@ -76,6 +76,15 @@ def test_the_arrows_point_one_way():
             assert not bad, (path, bad)
 
 
+def test_every_module_is_on_the_map():
+    """docs/ARCHITECTURE.md's module map names every module of the four rooms by its path."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    mapped = text[text.index("## Module map"):]
+    missing = [str(p.relative_to(ROOT)) for room in ("tinyrt", *ROOMS) for p in files(room)
+               if f"`{p.relative_to(ROOT)}`" not in mapped]
+    assert not missing, f"modules missing from docs/ARCHITECTURE.md's map: {missing}"
+
+
 def test_no_import_runs_in_a_circle():
     """No chain of imports (at a file's top or inside a function) leads from a module back to
     itself: each module can be read knowing only those below it."""
