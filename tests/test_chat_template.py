@@ -370,7 +370,7 @@ HOSTILE = {
     "+ doubling": (doubled("+", 40) + "{{ ns.s }}", STRING),
     "list doubling": (
         "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = ns.l + ns.l %}"
-        "{% endfor %}{{ ns.l|length }}", SEQUENCE),
+        "{% endfor %}{{ ns.l|length }}", f"{SEQUENCE}|seconds"),   # (busy machine: time first)
     "|join of a shared list": (SHARED + "{{ l|join }}", "more than"),
     "str.join": (BIG + "{{ s.join(s) }}", STRING),
     "str.replace of ''": (BIG + "{{ s.replace('', s) }}", STRING),
@@ -404,7 +404,7 @@ HOSTILE = {
         "{% set ns.l = ns.l + [s[i:]] %}{% endfor %}x", BYTES),
     "split words kept": (
         "{% set s = 'ā ' * 500000 %}{% set ns = namespace(l=[]) %}{% for i in range(200) %}"
-        "{% set ns.l = ns.l + [s.split()] %}{% endfor %}x", BYTES),
+        "{% set ns.l = ns.l + [s.split()] %}{% endfor %}x", f"{BYTES}|seconds"),
     "shared lists compared": (
         NS + "{% for i in range(60) %}{% set ns.a = [ns.a, ns.a] %}{% set ns.b = [ns.b, ns.b] %}"
         "{% endfor %}{{ ns.a == ns.b }}", SEQUENCE),
