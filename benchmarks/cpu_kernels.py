@@ -22,7 +22,7 @@ def child(args) -> dict:
     import numpy as np
 
     import tinyrt
-    from tinyrt.kernels import cpu
+    from tinyrt.kernels.cpu.linear import q_gemv
 
     llm = tinyrt.load(args.model, device="cpu", threads=args.threads, quiet=True)
     be, layers = llm.model.backend, llm.model.layers
@@ -36,7 +36,7 @@ def child(args) -> dict:
         for _ in range(args.reps):
             start = time.perf_counter()
             for w in ws:
-                cpu.q_gemv(x, w, y, be.threads)
+                q_gemv(x, w, y, be.threads)
             times.append((time.perf_counter() - start) / len(ws))
         xp = np.random.default_rng(1).standard_normal((args.tokens, n_in)).astype(np.float32)
         be.linear(xp, ws[0])

@@ -33,11 +33,11 @@ def get_backend(device: str = "auto", threads: int | None = None, *, cuda_graph:
     if device == "reference":
         return ReferenceBackend()
     if device == "cuda" or (device == "auto" and ctypes.util.find_library("cuda")):
-        from . import gpu
+        from . import cuda
 
-        why = gpu.unavailable()
+        why = cuda.unavailable()
         if why is None:
-            return gpu.CudaBackend(cuda_graph)
+            return cuda.CudaBackend(cuda_graph)
         if device == "cuda":
             raise ValueError(f"--device cuda: {why}; use --device cpu")
     from .cpu import CpuBackend

@@ -6,8 +6,9 @@ a process killed while writing it) or damaged otherwise would make that read rai
 start after it fail. `guard()` makes such a file a cache miss: it is removed, the kernel compiles
 again and its cache is written anew, with a warning. A stale cache (the sources changed since)
 Numba detects by the timestamp and size of the kernel's own file; a kernel here also compiles in
-code from the other files of this directory (simd's intrinsics), so `guard()` makes every
-file of the directory part of the stamp: an upgrade that changes only simd.py compiles again.
+code from the other files of its package (simd's intrinsics, the attention a fused layer calls),
+so `guard()` makes every file of the kernel's folder part of the stamp: an upgrade that changes
+only cpu/simd.py compiles every CPU kernel again.
 
 `on_first_compile(say)` tells the user when a kernel is about to compile (a cache miss: the
 first run on a machine, or after an upgrade) rather than leave tens of seconds unexplained.
@@ -29,8 +30,8 @@ PACKAGE = HERE.parent    # the installed tinyrt: kernels/, and models/ (whose re
 
 
 def _stamp_sources() -> None:
-    """Numba's stamp of a kernel's source file, for a file of this directory, with the
-    timestamps and sizes of all its files."""
+    """Numba's stamp of a kernel's source file, for a file under this folder, with the
+    timestamps and sizes of all the files of the kernel's own folder."""
     mixin = getattr(caching, "_SourceFileBackedLocatorMixin", None)
     if mixin is None or getattr(mixin, "_tinyrt_guarded", False) or \
             not callable(getattr(mixin, "get_source_stamp", None)):
@@ -39,9 +40,10 @@ def _stamp_sources() -> None:
 
     def get_source_stamp(self):
         stamp = own(self)
-        if Path(getattr(self, "_py_file", "")).resolve().parent != HERE:
+        folder = Path(getattr(self, "_py_file", "")).resolve().parent
+        if folder != HERE and HERE not in folder.parents:
             return stamp
-        files = sorted(HERE.glob("*.py"))
+        files = sorted(folder.glob("*.py"))
         return stamp, tuple((f.name, f.stat().st_mtime, f.stat().st_size) for f in files)
 
     mixin.get_source_stamp, mixin._tinyrt_guarded = get_source_stamp, True
@@ -49,7 +51,7 @@ def _stamp_sources() -> None:
 
 def guard() -> None:
     """Make a damaged cache file a cache miss, and the cache of a kernel here stale when any
-    file of this directory changed (idempotent). A Numba whose cache reads files otherwise
+    file of its folder changed (idempotent). A Numba whose cache reads files otherwise
     (these are its internals) is left as it is."""
     _stamp_sources()
     cls = getattr(caching, "IndexDataCacheFile", None)

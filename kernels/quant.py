@@ -33,8 +33,8 @@ Stored (`QuantWeight`):
 - `scale` and `offset` float16 where every value of the layer is a float16 exactly (all the
   sources above), else float32; `scale_q`, `offset_q` int8.
 
-Backends repack this once into their own layout (kernels/cpu.py, kernels/gpu.py); the NumPy
-reference dequantizes it (`dequantize`).
+Backends repack this once into their own layout (kernels/cpu/linear.py,
+kernels/cuda/kernels.py); the NumPy reference dequantizes it (`dequantize`).
 """
 
 from __future__ import annotations

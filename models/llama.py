@@ -3,7 +3,7 @@ sliding attention window (`sliding_window`), and other families (models/qwen2.py
 
 The math of a decoder layer lives in `LlamaModel.layer` (and its two halves, `attention` and
 `mlp`): the runtime runs it over the KV cache, the AWQ calibration over batches of sequences, and
-a backend's fused layer (kernels/cpu.py decode_layer) is tested against it for every family.
+a backend's fused layer (kernels/cpu/layer.py decode_layer) is tested against it for every family.
 The model returns logits; sampling lives in the engine.
 """
 

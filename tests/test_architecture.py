@@ -15,20 +15,22 @@ FRONT_ENDS = {"tinyrt/registry.py"} | {str(p.relative_to(ROOT)) for p in (ROOT /
 ROOMS = {"kernels": "tinyrt.kernels", "models": "tinyrt.models", "converters": "tinyrt.converters"}
 
 
+def package_of(path: Path) -> str:
+    """The package `path` (a file of tinyrt) lies in, or for an __init__.py, that it defines."""
+    rel = path.relative_to(ROOT)
+    return ".".join((ROOMS.get(rel.parts[0], "tinyrt"), *rel.parts[1:-1]))
+
+
 def module_name(path: Path) -> str:
     """The name `path` (a file of the package) imports as."""
-    rel = path.relative_to(ROOT)
-    package = ROOMS.get(rel.parts[0], ".".join(("tinyrt", *rel.parts[1:-1])))
+    package = package_of(path)
     return package if path.name == "__init__.py" else f"{package}.{path.stem}"
 
 
 def imports(path: Path, *, typing_only: bool = True) -> set[str]:
     """Every module a file imports, at its top or inside a function, as absolute names (with
     typing_only=False, not those under `if TYPE_CHECKING:`, which never run)."""
-    rel = path.relative_to(ROOT)
-    package = ROOMS.get(rel.parts[0], ".".join(("tinyrt", *rel.parts[1:-1])))
-    if path.name == "__init__.py":
-        package = module_name(path)
+    package = package_of(path)
     tree = ast.parse(path.read_text())
     skip = set() if typing_only else {
         id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
@@ -83,6 +85,17 @@ def test_every_module_is_on_the_map():
     missing = [str(p.relative_to(ROOT)) for room in ("tinyrt", *ROOMS) for p in files(room)
                if f"`{p.relative_to(ROOT)}`" not in mapped]
     assert not missing, f"modules missing from docs/ARCHITECTURE.md's map: {missing}"
+
+
+def test_every_package_is_installed():
+    """pyproject's packages are every folder of the four rooms that holds an __init__.py: one
+    left out would be missing from a wheel (the editable install finds it all the same)."""
+    import tomllib
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = {package_of(p) for room in ("tinyrt", *ROOMS) for p in files(room)
+             if p.name == "__init__.py"}
+    assert sorted(listed) == sorted(found)
 
 
 def test_no_import_runs_in_a_circle():

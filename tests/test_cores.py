@@ -1,4 +1,4 @@
-"""The CPU kernels' thread count follows the cores other programs leave free (kernels.cores)."""
+"""The CPU kernels' thread count follows the cores other programs leave free (kernels.cpu.cores)."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from tinyrt.kernels import cores, cpu
+from tinyrt.kernels.cpu import CpuBackend, cores
 
 
 class Machine:
@@ -129,7 +129,7 @@ def test_the_backend_runs_its_kernels_on_the_count_it_is_given():
     """Numba's thread count (the calling thread's) follows Cores; the results do not depend on
     it (every kernel's sums are the same whatever its split)."""
     m = Machine()
-    be = cpu.CpuBackend(2)
+    be = CpuBackend(2)
     be.cores = m.cores(2)
     rng = np.random.default_rng(0)
     w = rng.standard_normal((300, 96)).astype(np.float32)

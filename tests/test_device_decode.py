@@ -1,4 +1,4 @@
-"""Decode steps on the device (tinyrt.device_decode, kernels.gpu_step) against the host's steps,
+"""Decode steps on the device (tinyrt.device_decode, kernels.cuda.step) against the host's steps,
 in Numba's CUDA simulator where there is no GPU: the cache policies' bookkeeping kernel by
 kernel, the device sampler against the host's, and whole generations (greedy tokens, and the
 cache the device hands back) for every policy."""
@@ -8,7 +8,7 @@ import pytest
 
 from helpers import fit_p, rel_err, seeded_rng, tiny_config, write_tiny_model
 from tinyrt import device_decode
-from tinyrt.kernels import gpu, gpu_step as gs
+from tinyrt.kernels.cuda import CudaBackend, step as gs
 from tinyrt.kernels import reference as ref
 from tinyrt.kv_cache import SCORE_DECAY, SCORE_FLOOR, CacheOptions, KVLayout, POLICIES
 from tinyrt.sampling import Sampler, SamplingParams, filtered_probs
@@ -23,7 +23,7 @@ def test_state_kernels_follow_the_cache_policy(policy, size):
     steps, the same victims)."""
     rng = seeded_rng()
     L, G, D = 2, 2, 8
-    be = gpu.CudaBackend()
+    be = CudaBackend()
     layout = KVLayout(L, G, D, 1 / 10000 ** (np.arange(D // 2) / (D // 2)))
     cache = POLICIES[policy](layout, size, ref.ReferenceBackend(),
                              CacheOptions(policy, size, "f32", sinks=2, recent=2))
@@ -64,7 +64,7 @@ def test_state_kernels_follow_the_cache_policy(policy, size):
 
 
 def test_rope_row_is_the_reference_table():
-    be = gpu.CudaBackend()
+    be = CudaBackend()
     inv = (1 / 500000 ** (np.arange(8) / 8)).astype(np.float32)
     state = np.zeros(gs.N_STATE, np.int64)
     state[gs.POS] = 123457
@@ -83,7 +83,7 @@ def test_device_sampler_draws_from_the_host_distribution(params):
     """The device sampler's penalized logits and candidates are the host sampler's (ids and
     probabilities), and its draws land on candidates; greedy gives the host's argmax."""
     rng = seeded_rng()
-    be = gpu.CudaBackend()
+    be = CudaBackend()
     V = 300
     host = Sampler(SamplingParams(**params, seed=1))
     history = list(rng.integers(0, V, 80))
@@ -118,7 +118,7 @@ def test_device_sampler_draws_follow_the_host_probabilities():
     as often as the host sampler's probability says (a chi-square test that fails a right
     sampler once in 10^4 runs), and nothing else ever comes."""
     rng = seeded_rng()
-    be = gpu.CudaBackend()
+    be = CudaBackend()
     V, N = 64, 3 * device_decode.UNIFORMS
     host = Sampler(SamplingParams(temperature=0.8, top_k=24, top_p=0.95, min_p=0.01,
                                   repeat_penalty=1.0, seed=1))     # (no penalty: fixed odds)

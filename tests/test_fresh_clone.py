@@ -108,10 +108,10 @@ NEW_SIGNATURES = """
 import json, sys
 import tinyrt
 from numba.core.dispatcher import Dispatcher
-from tinyrt.kernels import cpu, cpu_kv, simd
+from tinyrt.kernels.cpu import attention, kv, layer, linear, ops, simd
 
 def signatures():
-    return {f"{m.__name__}.{k}": len(v.overloads) for m in (cpu, cpu_kv, simd)
+    return {f"{m.__name__}.{k}": len(v.overloads) for m in (attention, kv, layer, linear, ops, simd)
             for k, v in vars(m).items() if isinstance(v, Dispatcher)}
 
 llm = tinyrt.load(sys.argv[1], device="cpu", quiet=True, **json.loads(sys.argv[2]))

@@ -9,9 +9,9 @@ import pytest
 
 SCRIPT = """
 import numpy as np
-from tinyrt.kernels import cpu
+from tinyrt.kernels.cpu import ops
 x = np.arange(16, dtype=np.float32).reshape(2, 8)
-print(cpu.rmsnorm(x, np.ones(8, np.float32), np.float32(1e-5)).sum())
+print(ops.rmsnorm(x, np.ones(8, np.float32), np.float32(1e-5)).sum())
 """
 
 
@@ -22,7 +22,7 @@ def run(cache_dir):
 
 
 def files(cache_dir, suffix):
-    return sorted(Path(cache_dir).rglob(f"cpu.rmsnorm-*{suffix}"))
+    return sorted(Path(cache_dir).rglob(f"ops.rmsnorm-*{suffix}"))
 
 
 @pytest.mark.parametrize("damage", ["truncated index", "garbage index", "garbage data"])
@@ -48,17 +48,17 @@ def test_damaged_cache_is_rebuilt(tmp_path, damage):
 
 SIMD_SCRIPT = """
 import numpy as np
-from kernels import cpu
+from kernels.cpu import attention
 k = np.ones((1, 4, 16), np.float32)
 q = np.ones((1, 16), np.float32)
-print(cpu.attention_decode(q[:, None].reshape(1, 1, 16), k, k, np.zeros(1, np.int64),
+print(attention.attention_decode(q[:, None].reshape(1, 1, 16), k, k, np.zeros(1, np.int64),
                            np.zeros((1, 4), np.int64), np.float32(1), 0, 1,
                            np.zeros((1, 0), np.float32)).sum())
 """
 
 
 def test_a_change_in_the_intrinsics_file_compiles_again(tmp_path):
-    """A kernel of cpu.py compiles in simd.py's intrinsics: after a change to simd.py alone (an
+    """A kernel of cpu/attention.py compiles in cpu/simd.py's intrinsics: after a change to it alone (an
     upgrade), the cached machine code is stale and must not be loaded."""
     import shutil
 
@@ -78,7 +78,7 @@ def test_a_change_in_the_intrinsics_file_compiles_again(tmp_path):
 
     assert any("data saved" in line for line in attention_cache())
     assert any("data loaded" in line for line in attention_cache())     # the cache works
-    simd = pkg / "kernels" / "simd.py"
+    simd = pkg / "kernels" / "cpu" / "simd.py"
     simd.write_text(simd.read_text() + "\n# changed\n")
     again = attention_cache()
     assert any("data saved" in line for line in again)

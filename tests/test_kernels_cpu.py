@@ -8,6 +8,7 @@ import tinyrt
 from helpers import random_quant, rel_err, seeded_rng, tiny_config, write_tiny_model
 from tinyrt.converters import convert
 from tinyrt.kernels import cpu, get_backend, quant
+from tinyrt.kernels.cpu import CpuBackend
 from tinyrt.kernels import reference as ref
 from tinyrt import kv_cache
 from tinyrt.kv_cache import CacheOptions, make_cache
@@ -30,12 +31,12 @@ FORMS = [(4, 32, True, "offset"), (4, 64, False, "offset"), (4, 128, True, "awq"
 @pytest.mark.parametrize("bits, g, half, form", FORMS)
 @pytest.mark.parametrize("n_in, outs", [(128, [64]), (256, [96, 32, 32]), (384, [200, 200]),
                                         (576, [576, 192, 192]), (256, [120])])
-@pytest.mark.parametrize("T", [1, 3, cpu.SMALL_TOKENS + 3])
+@pytest.mark.parametrize("T", [1, 3, cpu.backend.SMALL_TOKENS + 3])
 def test_q_linear(bits, g, half, form, n_in, outs, T):
     parts = [packed(n_in, o, g, bits, half, form) for o in outs]
     w = np.concatenate([quant.dequantize(p) for p in parts])                 # [out, in]
     x = rng.standard_normal((T, n_in)).astype(np.float32)
-    be = cpu.CpuBackend()
+    be = CpuBackend()
     prepared = be.prepare_linear(parts)
     tiles = -(-sum(outs) // 16)
     assert prepared.lo.shape == (tiles, n_in // 8, 16) and prepared.shape == (sum(outs), n_in)
@@ -46,30 +47,30 @@ def test_q_linear(bits, g, half, form, n_in, outs, T):
 
 
 @pytest.mark.parametrize("bits, g, half, form", FORMS[::3] + [(5, 32, True, "k")])
-@pytest.mark.parametrize("n_in, T", [(256, cpu.SMALL_TOKENS + 1), (4096, 45), (4096, 90)])
+@pytest.mark.parametrize("n_in, T", [(256, cpu.backend.SMALL_TOKENS + 1), (4096, 45), (4096, 90)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prompt_gemm_gives_each_token_its_gemv_result(bits, g, half, form, n_in, T, threads):
     """A prompt's GEMM (GEMM_TOKENS tokens per pass over a tile; at 4096 inputs, tokens in
     blocks of 32 whose activations fit GEMM_ACT_BYTES; T not a multiple of either) gives every
     token the outputs the GEMV gives it alone, to the bit."""
-    p = cpu.repack([packed(n_in, 40, g, bits, half, form)])
+    p = cpu.linear.repack([packed(n_in, 40, g, bits, half, form)])
     x = rng.standard_normal((T, n_in)).astype(np.float32)
     y = np.full((T, 40), np.nan, np.float32)
-    cpu.q_gemm(x, p, y, threads)
+    cpu.linear.q_gemm(x, p, y, threads)
     one = np.empty((1, 40), np.float32)
     for t in range(T):
-        cpu.q_gemv(x[t:t + 1], p, one, 1)
+        cpu.linear.q_gemv(x[t:t + 1], p, one, 1)
         assert np.array_equal(y[t], one[0]), t
 
 
-@pytest.mark.parametrize("T", [1, cpu.SMALL_TOKENS + 3])
+@pytest.mark.parametrize("T", [1, cpu.backend.SMALL_TOKENS + 3])
 def test_fused_parts_of_mixed_forms(T):
     """q, k (Q4_K's form: 4-bit, groups of 32, sub-scales) beside v (Q6_K's: 6-bit, groups of
     16, sub-scales, a zero), as a Q4_K_M file's layer has them: fused exactly into one 6-bit
     layer in groups of 16 that keeps the super-block scales and integer sub-scales."""
     parts = [packed(256, 96, 32, 4, True, "k"), packed(256, 32, 32, 4, True, "k"),
              packed(256, 32, 16, 6, True, "zero-k")]
-    be = cpu.CpuBackend()
+    be = CpuBackend()
     prepared = be.prepare_linear(parts)
     assert (prepared.bits, prepared.group) == (6, 16) and prepared.s.dtype == np.uint16
     assert prepared.s.shape[1] == 4 and prepared.sq.shape[1] == prepared.mq.shape[1] == 16  # v: 4 blocks
@@ -83,32 +84,32 @@ def test_codes_widen_to_fill_words(bits, g):
     """A high plane must fill whole words within a group: 5-bit codes in groups of 16 run as
     6-bit, in groups of 8 as 8-bit."""
     w = packed(64, 24, g, bits, True, "zero")
-    p = cpu.repack([w])
+    p = cpu.linear.repack([w])
     assert p.bits == (6 if g == 16 else 8)
     x = rng.standard_normal((1, 64)).astype(np.float32)
-    assert rel_err(cpu.CpuBackend().linear(x, p)[0], quant.dequantize(w) @ x[0]) < 1e-4
+    assert rel_err(CpuBackend().linear(x, p)[0], quant.dequantize(w) @ x[0]) < 1e-4
 
 
 @pytest.mark.parametrize("n_in, n_out", [(576, 1536), (64, 72), (130, 7)])
-@pytest.mark.parametrize("T", [1, 5, cpu.SMALL_TOKENS, cpu.SMALL_TOKENS + 3])
+@pytest.mark.parametrize("T", [1, 5, cpu.backend.SMALL_TOKENS, cpu.backend.SMALL_TOKENS + 3])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_float_linear(n_in, n_out, T, threads):
     """A float layer: a few tokens through the rows kernel, more through BLAS."""
     w = rng.standard_normal((n_out, n_in)).astype(np.float32)
     x = rng.standard_normal((T, n_in)).astype(np.float32)
-    be = cpu.CpuBackend()
+    be = CpuBackend()
     be.threads = threads
     assert rel_err(be.linear(x, be.prepare_linear([w])), x.astype(np.float64) @ w.T) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["q4", "q6", "q8", "int8", "float"])
-@pytest.mark.parametrize("T", [2, 6, 9, 15, cpu.SMALL_TOKENS])
+@pytest.mark.parametrize("T", [2, 6, 9, 15, cpu.backend.SMALL_TOKENS])
 def test_few_tokens_equal_one_at_a_time(kind, T):
     """A few tokens' linear (a draft's verification: 8, 4, 2 and 1 tokens a pass over a tile)
     gives each token, to the bit, its one-token result: greedy speculative decoding depends
     on it."""
     n_in, n_out = 576, 1000
-    be = cpu.CpuBackend()
+    be = CpuBackend()
     if kind in ("q4", "q6", "q8"):
         w = be.prepare_linear([packed(n_in, n_out, 64, int(kind[1]), form="k")])
     elif kind == "int8":
@@ -128,7 +129,7 @@ def test_pair_planar_tiles(bits):
     tile padded with zeros."""
     w = packed(128, 24, 32, bits, True, "k")
     codes = quant.unpack(w)
-    p = cpu.repack([w])
+    p = cpu.linear.repack([w])
     planes = [(p.lo.view(np.uint32), 4, 0), (p.hi.view(np.uint32), bits - 4, 4)]
     for i, o in zip(rng.integers(0, 128, 50), rng.integers(0, 24, 50)):
         for words, b, low in planes[:1 + (bits > 4)]:
@@ -152,8 +153,8 @@ def test_parts_tile_at_their_rows(outs, forms):
     beside 8-bit ones) give the tiles of the layer quant.concat makes of the parts."""
     parts = [packed(64, o, g, bits, True, form)
              for o, (bits, g, form) in zip(outs, forms * len(outs))]
-    fused = cpu.repack([quant.concat(parts)])
-    for a, b in zip(cpu.repack(parts), fused):
+    fused = cpu.linear.repack([quant.concat(parts)])
+    for a, b in zip(cpu.linear.repack(parts), fused):
         assert np.array_equal(a, b)
 
 
@@ -163,7 +164,7 @@ def test_quantize_pairs(block):
     x[:block] = 0                                                         # an all-zero block
     xp, sx, xsum = (np.empty(128, np.int32), np.empty(256 // block, np.float32),
                     np.empty(256 // block, np.float32))
-    cpu.quantize_pairs(x, block, xp, sx, xsum)
+    cpu.linear.quantize_pairs(x, block, xp, sx, xsum)
     q = np.stack([(xp << 16) >> 16, xp >> 16], axis=1).reshape(-1)       # int16 halves, signed
     step = np.repeat(sx, block)
     # rounded to the nearest step, up to float32 rounding of x / step (x / step <= 32767)
@@ -176,10 +177,10 @@ def test_quantize_pairs(block):
 def test_q_gemv_tasks(threads, n_out):
     """Any number of tasks, and outputs that are not a multiple of the vector (a padded tile)."""
     w = packed(192, n_out, 32)
-    p = cpu.repack([w])
+    p = cpu.linear.repack([w])
     x = rng.standard_normal((1, 192)).astype(np.float32)
     y = np.full((1, n_out), np.nan, np.float32)
-    cpu.q_gemv(x, p, y, threads)
+    cpu.linear.q_gemv(x, p, y, threads)
     assert rel_err(y[0], quant.dequantize(w) @ x[0]) < 1e-4
 
 
@@ -195,13 +196,13 @@ def test_exp():
 def exp_all(x):
     y = np.empty_like(x)
     for i in range(x.shape[0]):
-        y[i] = cpu.exp(x[i])
+        y[i] = cpu.ops.exp(x[i])
     return y
 
 
 def test_int8_head():
     table = rng.standard_normal((1000, 96)).astype(np.float32)
-    be = cpu.CpuBackend()
+    be = CpuBackend()
     head = be.prepare_head(table, quantized=True)
     q, s = ref.int8_rows(table)
     assert np.array_equal(head.q, q) and np.array_equal(head.s, s)
@@ -216,18 +217,18 @@ def test_int8_head():
 @pytest.mark.parametrize("T, H", [(1, 96), (7, 576), (3, 33)])
 def test_rmsnorm_swiglu(T, H):
     x, w = rng.standard_normal((T, H)).astype(np.float32), rng.standard_normal(H).astype(np.float32)
-    np.testing.assert_allclose(cpu.rmsnorm(x, w, 1e-5), ref.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cpu.ops.rmsnorm(x, w, 1e-5), ref.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
     gu = rng.standard_normal((T, 2 * H)).astype(np.float32) * 10     # gate (large: tails of exp), up
     gu[0, :3] = [-1e4, 1e4, 0]
     want = ref.ReferenceBackend.swiglu(gu)
-    np.testing.assert_allclose(cpu.CpuBackend().swiglu(gu), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(CpuBackend().swiglu(gu), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("T, N, D", [(1, 9, 64), (5, 3, 16), (13, 8, 128)])
 def test_rope(T, N, D):
     x = rng.standard_normal((T, N, D)).astype(np.float32)
     cos, sin = ref.rope_tables(1.0 / 10000 ** (np.arange(0, D, 2) / D), rng.integers(0, 4096, T))
-    np.testing.assert_allclose(cpu.rope(x, cos, sin), ref.rope(x, cos, sin), atol=1e-5)
+    np.testing.assert_allclose(cpu.ops.rope(x, cos, sin), ref.rope(x, cos, sin), atol=1e-5)
 
 
 def ring_positions(G, S, q_pos, free=0.2):
@@ -258,11 +259,11 @@ def test_attention_decode(ratio, S, window, dtype, D):
     want_score = score0.copy()
     want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.2, window,
                          want_score)
-    np.testing.assert_allclose(cpu.CpuBackend().attention(q, k, v, q_pos, k_pos, 0.2, window),
+    np.testing.assert_allclose(CpuBackend().attention(q, k, v, q_pos, k_pos, 0.2, window),
                                want, atol=1e-5)
     for tasks in (1, 3):
         score = score0.copy()
-        got = cpu.attention_decode(q, cpu._bits(k), cpu._bits(v), q_pos, k_pos,
+        got = cpu.attention.attention_decode(q, cpu.backend._bits(k), cpu.backend._bits(v), q_pos, k_pos,
                                    np.float32(0.2), window or 0, tasks, score)
         np.testing.assert_allclose(got, want, atol=1e-5)
         np.testing.assert_allclose(score, want_score, atol=1e-5)
@@ -287,13 +288,13 @@ def test_attention_prompt(ratio, T, past, block, window, ordered, dtype):
     score, want_score = np.zeros((G, S + 4), np.float32), np.zeros((G, S + 4), np.float32)
     want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.3, window,
                          want_score)
-    np.testing.assert_allclose(cpu.attention_prompt(q, k, v, q_pos, k_pos, 0.3, window, score, block),
+    np.testing.assert_allclose(cpu.attention.attention_prompt(q, k, v, q_pos, k_pos, 0.3, window, score, block),
                                want, atol=1e-5)
     np.testing.assert_allclose(score, want_score, atol=1e-4)
     np.testing.assert_allclose(want_score.sum(), T * ratio * G, rtol=1e-4)   # each row sums to 1
-    if T <= cpu.SMALL_TOKENS:          # the backend runs a few tokens as decode attention each
+    if T <= cpu.backend.SMALL_TOKENS:          # the backend runs a few tokens as decode attention each
         score[:] = 0
-        got = cpu.CpuBackend().attention(q, k, v, q_pos, k_pos, 0.3, window, score)
+        got = CpuBackend().attention(q, k, v, q_pos, k_pos, 0.3, window, score)
         np.testing.assert_allclose(got, want, atol=1e-5)
         np.testing.assert_allclose(score, want_score, atol=1e-4)
 
@@ -307,7 +308,7 @@ def test_few_queries_equal_each_alone(S):
     k, v = (rng.standard_normal((G, S + 5, D)).astype(np.float16) for _ in range(2))
     k_pos = np.tile(np.arange(S), (G, 1))
     q_pos = np.arange(S - T, S)
-    be = cpu.CpuBackend()
+    be = CpuBackend()
     got = be.attention(q, k, v, q_pos, k_pos, 0.125)
     for t in range(T):
         alone = be.attention(q[t:t + 1], k, v, q_pos[t:t + 1], k_pos[:, :S - T + t + 1], 0.125)
@@ -327,7 +328,7 @@ def test_decode_attention_does_not_depend_on_threads(S):
     results = []
     for threads in (1, 2, 5):
         score = np.zeros((G, S), np.float32)
-        out = cpu.attention_decode(q, k, v, q_pos, k_pos, np.float32(0.125), 0, threads, score)
+        out = cpu.attention.attention_decode(q, k, v, q_pos, k_pos, np.float32(0.125), 0, threads, score)
         results.append((out, score))
     for out, score in results[1:]:
         assert np.array_equal(out, results[0][0]) and np.array_equal(score, results[0][1])
@@ -343,7 +344,7 @@ def test_store_kv(dtype):
     slots = np.array([[7, 2, 9, 0], [1, 2, 3, 4], [9, 8, 0, 5]])
     want_k, want_v = k_buf.copy(), v_buf.copy()
     ref.ReferenceBackend.store_kv(want_k, want_v, slots, k, v)
-    cpu.CpuBackend().store_kv(k_buf, v_buf, slots, k, v)
+    CpuBackend().store_kv(k_buf, v_buf, slots, k, v)
     assert np.array_equal(k_buf, want_k) and np.array_equal(v_buf, want_v)
     assert np.isfinite(k_buf).all()
     for g in range(3):
@@ -361,7 +362,7 @@ def test_lowest_scored(n):
     slot_pos = np.stack([[rng.permutation(C) for _ in range(G)] for _ in range(L)])
     slot_pos[rng.random(slot_pos.shape) < 0.1] = -1                   # free slots
     score = (rng.integers(0, 20, (L, G, C)) / 8).astype(np.float32)
-    got = cpu.CpuBackend.lowest_scored(slot_pos, score, first, last, n)
+    got = CpuBackend.lowest_scored(slot_pos, score, first, last, n)
     assert np.array_equal(got, ref.lowest_scored(slot_pos, score, first, last, n))
     for l in range(L):
         for g in range(G):

@@ -8,7 +8,9 @@ import pytest
 from numba import cuda
 
 from helpers import quant_store, random_quant, random_weights, rel_err, seeded_rng, tiny_config
-from tinyrt.kernels import gpu, kv_quant, quant
+from tinyrt.kernels import kv_quant, quant
+from tinyrt.kernels.cuda import CudaBackend, backend, kernels, kv, launchers, primitives
+from tinyrt.kernels.cuda import step as device_step
 from tinyrt.kernels import reference as ref
 
 pytestmark = pytest.mark.usefixtures("quick_barriers")
@@ -24,7 +26,7 @@ def run(launch, *arrays):
 
 
 def unpack_words(words, bits, n_in, lanes):
-    """The codes [out, n_in] of GEMV words in gpu.repack's layout, read as its docstring says:
+    """The codes [out, n_in] of GEMV words in kernels.repack's layout, read as its docstring says:
     input i in word i % (lanes per) % lanes of tile i // (lanes per), at bit bits (i % (lanes
     per) // lanes)."""
     words = np.asarray(words).view(np.uint32)
@@ -38,10 +40,10 @@ def unpack_words(words, bits, n_in, lanes):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n_in, lanes", [(64, 4), (80, 4), (576, 32), (512, 32), (34, 32)])
 def test_repack_round_trip(bits, n_in, lanes):
-    """gpu.repack's words hold every code where its docstring says, whole tiles of them
+    """kernels.repack's words hold every code where its docstring says, whole tiles of them
     (padding: code 0)."""
     w = random_quant(3, n_in, bits, 2, True, rng)
-    words = gpu.repack(w.codes, bits, n_in, lanes)
+    words = kernels.repack(w.codes, bits, n_in, lanes)
     tile = lanes * 32 // bits
     assert words.dtype == np.int32 and words.shape == (3, -(-n_in // tile) * lanes)
     assert np.array_equal(unpack_words(words, bits, n_in, lanes), quant.unpack(w))
@@ -63,9 +65,9 @@ def check_q_gemv(w, be, arrays):
                            offset=be.to_numpy(dev.offset))
     else:
         x, y, w_t = be.dev(x), be.dev(y), be.dev(w_t)
-    gpu.launch_q_gemv(x, dev, y)
+    launchers.launch_q_gemv(x, dev, y)
     assert rel_err(be.to_numpy(y), ref.linear(be.to_numpy(x)[None], quant.dequantize(w))[0]) < 1e-5
-    gpu.launch_q_dequantize(dev, w_t)
+    launchers.launch_q_dequantize(dev, w_t)
     assert np.allclose(be.to_numpy(w_t), quant.dequantize(w).T, rtol=1e-6, atol=1e-7)
 
 
@@ -77,31 +79,31 @@ def check_q_gemv(w, be, arrays):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("arrays", ["torch", "numpy"])
 def test_q_gemv_and_dequantize(n_in, n_out, g, bits, half, split, arrays, monkeypatch):
-    monkeypatch.setattr(gpu, "SPLIT_BELOW", 10 ** 9 if split else 0)
-    check_q_gemv(random_quant(n_out, n_in, bits, g, half, rng), gpu.CudaBackend(), arrays)
+    monkeypatch.setattr(launchers, "SPLIT_BELOW", 10 ** 9 if split else 0)
+    check_q_gemv(random_quant(n_out, n_in, bits, g, half, rng), CudaBackend(), arrays)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_gemv(dtype):
     w = rng.standard_normal((37, 70)).astype(dtype)
     x = rng.standard_normal(70).astype(np.float32)
-    (y,) = run(gpu.launch_gemv, x, w, np.zeros(37, np.float32))[-1:]
+    (y,) = run(launchers.launch_gemv, x, w, np.zeros(37, np.float32))[-1:]
     assert rel_err(y, ref.linear(x[None], w)[0]) < 1e-5
 
 
 def test_rmsnorm_rope_silu():
     x = rng.standard_normal((3, 200)).astype(np.float32)
     w = rng.standard_normal(200).astype(np.float32)
-    (y,) = run(lambda x, w, y: gpu.launch_rmsnorm(x, w, 1e-5, y), x, w, np.empty_like(x))[-1:]
+    (y,) = run(lambda x, w, y: launchers.launch_rmsnorm(x, w, 1e-5, y), x, w, np.empty_like(x))[-1:]
     assert rel_err(y, ref.rmsnorm(x, w, 1e-5)) < 1e-5
 
     x = rng.standard_normal((3, 5, 16)).astype(np.float32)
     cos, sin = ref.rope_tables(1 / 10000 ** (np.arange(8) / 8), np.array([0, 7, 1000]))
-    (y,) = run(gpu.launch_rope, x, cos, sin, np.empty_like(x))[-1:]
+    (y,) = run(launchers.launch_rope, x, cos, sin, np.empty_like(x))[-1:]
     assert rel_err(y, ref.rope(x, cos, sin)) < 1e-6
 
     gu = (rng.standard_normal((2, 40)) * 30).astype(np.float32)
-    (y,) = run(gpu.launch_silu_mul, gu, np.empty((2, 20), np.float32))[-1:]
+    (y,) = run(launchers.launch_silu_mul, gu, np.empty((2, 20), np.float32))[-1:]
     assert rel_err(y, ref.ReferenceBackend.swiglu(gu)) < 1e-6
 
 
@@ -113,14 +115,14 @@ def test_store_kv(dtype):
     slots = np.array([[4, 0, 8], [1, 7, 2]])
     want_k, want_v = k_buf.copy(), v_buf.copy()
     ref.ReferenceBackend.store_kv(want_k, want_v, slots, k, v)
-    got_k, got_v = run(gpu.launch_store_kv, k_buf, v_buf, slots, k, v)[:2]
+    got_k, got_v = run(launchers.launch_store_kv, k_buf, v_buf, slots, k, v)[:2]
     assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
 
 
 def attend(q, k, v, q_pos, k_pos, window, score, chunk=None):
-    """gpu.launch_attention on device copies, scratch from cuda.device_array: (out, score)."""
+    """launchers.launch_attention on device copies, scratch from cuda.device_array: (out, score)."""
     out = np.empty(q.shape, np.float32)
-    got = run(lambda *a: gpu.launch_attention(*a[:5], 0.25, window, *a[5:],
+    got = run(lambda *a: launchers.launch_attention(*a[:5], 0.25, window, *a[5:],
                                               lambda shape: cuda.device_array(shape, np.float32),
                                               chunk),
               q, k, v, q_pos, k_pos, score, out)
@@ -168,7 +170,7 @@ def test_attention_in_splits_and_batches(monkeypatch):
     against the reference, scores included."""
     rng = seeded_rng()
     G, Q, D, S, chunk = 2, 4, 8, 45, 8
-    monkeypatch.setattr(gpu, "SCORES_MAX", 2 * Q * S)
+    monkeypatch.setattr(launchers, "SCORES_MAX", 2 * Q * S)
     q_pos = np.array([50, 51, 3, 53, 54])                 # query 2: before every position (14..)
     k_pos = ring(G, S, q_pos[-1], 4, rng)
     k_pos[:, 8:16] = -1
@@ -182,16 +184,17 @@ def test_attention_in_splits_and_batches(monkeypatch):
     got, got_score = attend(q, k, v, q_pos, k_pos, 0, score, chunk)
     assert rel_err(got[seen], want) < 1e-5 and not got[~seen].any()
     assert rel_err(got_score, want_score) < 1e-6
-    assert gpu.attention_chunk(1000, 2, 1) < 1000          # a decode step's default: splits
+    assert kernels.attention_chunk(1000, 2, 1) < 1000          # a decode step's default: splits
 
 
 @pytest.fixture
 def gpu_shapes(monkeypatch):
     """The launch shapes a GPU gets: warps of 32 lanes, 8 rows and 128 threads a block (the
     simulator's own are smaller, for its speed; the kernels are written for both)."""
-    monkeypatch.setattr(gpu, "LANES", 32)
-    monkeypatch.setattr(gpu, "ROWS", 8)
-    monkeypatch.setattr(gpu, "THREADS", 128)
+    for module in (primitives, kernels, kv, launchers, backend, device_step):
+        for name, value in (("LANES", 32), ("ROWS", 8), ("THREADS", 128)):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, value)
 
 
 @pytest.mark.parametrize("n_in, g, bits, split", [
@@ -201,15 +204,15 @@ def gpu_shapes(monkeypatch):
 def test_q_gemv_at_the_gpu_s_launch_shapes(gpu_shapes, monkeypatch, n_in, g, bits, split):
     """At 32 lanes and 8 rows a block: 20 outputs, 3 row blocks, under the split-K threshold
     (1024: two splits) or not (a threshold of 2: one)."""
-    monkeypatch.setattr(gpu, "SPLIT_BELOW", 1024 if split else 2)
-    check_q_gemv(random_quant(20, n_in, bits, g, True, rng), gpu.CudaBackend(),
+    monkeypatch.setattr(launchers, "SPLIT_BELOW", 1024 if split else 2)
+    check_q_gemv(random_quant(20, n_in, bits, g, True, rng), CudaBackend(),
                  "torch" if split else "numpy")
 
 
 def test_kernels_at_the_gpu_s_launch_shapes(gpu_shapes):
     x = rng.standard_normal((2, 300)).astype(np.float32)
     g = rng.standard_normal(300).astype(np.float32)
-    (y,) = run(lambda x, w, y: gpu.launch_rmsnorm(x, w, 1e-5, y), x, g, np.empty_like(x))[-1:]
+    (y,) = run(lambda x, w, y: launchers.launch_rmsnorm(x, w, 1e-5, y), x, g, np.empty_like(x))[-1:]
     assert rel_err(y, ref.rmsnorm(x, g, 1e-5)) < 1e-5
     G, D, S = 1, 16, 200
     q_pos = np.array([249, 250])
@@ -263,7 +266,7 @@ def test_store_kv_quantized(bits, order):
     N, D, B = 2, 16, 4
     C = 8 * B
     want, got = (quant_store(N, C, D, bits, B, 2 * B, pin=1) for _ in range(2))
-    be = gpu.CudaBackend()
+    be = CudaBackend()
     at = 0
     for step in range(12):
         T = int(rng.integers(1, 5) if order == "scattered" else rng.integers(3, 6))
@@ -313,7 +316,7 @@ def test_attention_over_quantized_cache(bits, T, window, h2o):
     got_score = want_score.copy()
     want = ref.attention(q, store, None, q_pos, k_pos, 0.25, window or None,
                          want_score if h2o else None)
-    be = gpu.CudaBackend()
+    be = CudaBackend()
     got = be.attention(q, store, None, q_pos, k_pos, 0.25, window or None,
                        got_score if h2o else None)
     assert rel_err(be.to_numpy(got), want) < 1e-5
@@ -359,14 +362,14 @@ def test_quantized_cache_kernels_round_without_fma():
     Where no CUDA compiler (NVVM) is installed, nothing to check."""
     out = _compile_for_the_gpu(r"""
 import re
-from tinyrt.kernels import gpu
+from tinyrt.kernels.cuda import kv
 store = (a(t.uint8, 4), a(t.float16, 4), a(t.uint8, 3), a(t.float16, 4), a(t.float16, 4),
          a(t.float16, 4), a(t.int32, 2))
 sigs = {'store_kv_q': store + (a(t.int32, 2), a(t.int64, 2), t.int64, a(t.int64, 2),
                                a(t.float32, 3), a(t.float32, 3)),
         'dequantize_kv': store + (a(t.float32, 3), a(t.float32, 3))}
 for name, sig in sigs.items():
-    ptx, _ = cuda.compile_ptx(getattr(gpu, name).py_func, sig, cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(getattr(kv, name).py_func, sig, cc=(9, 0))
     print(name, *(len(re.findall(op, ptx)) for op in (r'\bfma\.', r'\bmul\.rn\.f32', r'\badd\.rn\.f32')))
 """)
     counts = {name: [int(n) for n in rest] for name, *rest in map(str.split, out.splitlines())}
@@ -381,13 +384,13 @@ def test_q_gemv_compiles_for_the_gpu():
     int-to-float conversion of a code (see _as_float); q_dequantize compiles too. Where no CUDA
     compiler (NVVM) is installed, nothing to check."""
     out = _compile_for_the_gpu(r"""
-from tinyrt.kernels import gpu
+from tinyrt.kernels.cuda import kernels
 for f in (t.float16, t.float32):
-    ptx, _ = cuda.compile_ptx(gpu.q_gemv.py_func, (a(t.float32, 1), a(t.int32, 2), a(f, 2), a(f, 2),
+    ptx, _ = cuda.compile_ptx(kernels.q_gemv.py_func, (a(t.float32, 1), a(t.int32, 2), a(f, 2), a(f, 2),
                               t.int64, t.int64, t.int64, a(t.float32, 1)), cc=(9, 0))
     ops = ('shfl.sync', 'bar.sync', 'atom.global.add.f32', 'cvt.rn.f32.s')
     print(*(int(op in ptx) for op in ops))
-    cuda.compile_ptx(gpu.q_dequantize.py_func, (a(t.int32, 2), a(f, 2), a(f, 2), t.int64, t.int64,
+    cuda.compile_ptx(kernels.q_dequantize.py_func, (a(t.int32, 2), a(f, 2), a(f, 2), t.int64, t.int64,
                      t.int64, a(t.float32, 2)), cc=(9, 0))
 """)
     assert out.split() == ["1", "0", "1", "0"] * 2, out
@@ -480,8 +483,9 @@ def test_cuda_asked_for_and_absent():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    code = ("from tinyrt.kernels import get_backend, gpu\n"
-            "why = gpu.unavailable()\n"
+    code = ("from tinyrt.kernels import get_backend\n"
+            "from tinyrt.kernels.cuda import unavailable\n"
+            "why = unavailable()\n"
             "try:\n    get_backend('cuda')\nexcept ValueError as e:\n    print('refused:', e)\n"
             "else:\n    print('ran' if why is None else 'no error')\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -504,7 +508,7 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
     from tinyrt.converters import convert
 
     seen = set()
-    launch = gpu._launch
+    launch = launchers.launch
 
     def spec(a):
         a = a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray) else a
@@ -517,7 +521,7 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
         seen.add(json.dumps([kernel.fn.__module__, kernel.fn.__name__, [spec(a) for a in args]]))
         launch(kernel, grid, block, *args)
 
-    monkeypatch.setattr(gpu, "_launch", record)
+    monkeypatch.setattr(launchers, "launch", record)
     d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=32, intermediate_size=64,
                                                      num_attention_heads=4, num_hidden_layers=1))
     d = convert(d, tmp_path / "q", method="rtn", group_size=32)

@@ -8,7 +8,8 @@ import pytest
 import tinyrt
 from helpers import quant_store, tiny_config, write_tiny_model
 from tinyrt.errors import CacheFullError, TinyrtError
-from tinyrt.kernels import cpu, cpu_kv, get_backend, kv_quant, reference as ref
+from tinyrt.kernels import get_backend, kv_quant, reference as ref
+from tinyrt.kernels.cpu import CpuBackend, kv as cpu_kv
 from tinyrt.kernels.reference import ReferenceBackend
 from tinyrt.kv_cache import POLICIES, CacheOptions, KVCache, KVLayout
 
@@ -70,14 +71,14 @@ def test_cpu_writes_and_reads_as_the_reference(bits, block, D, order):
             slots = np.stack([rng.choice(C, T, replace=False) for _ in range(N)])
         k, v = (rng.standard_normal((T, N, D)).astype(np.float32) * 4 for _ in range(2))
         ReferenceBackend.store_kv(want, None, slots, k, v)
-        cpu.CpuBackend(2).store_kv(got, None, slots, k, v)
+        CpuBackend(2).store_kv(got, None, slots, k, v)
         for n in range(N):
             written[n, slots[n], 0], written[n, slots[n], 1] = k[:, n], v[:, n]
     for name in ("where", "owner", "stamp", "ks", "vs", "fk", "fv", "kc", "vc"):
         a, b = getattr(got, name), getattr(want, name)
         assert np.array_equal(a.view(np.uint16) if a.dtype == np.float16 else a,
                               b.view(np.uint16) if b.dtype == np.float16 else b), name
-    k, v = cpu.CpuBackend(1).read_kv(got, None, C)
+    k, v = CpuBackend(1).read_kv(got, None, C)
     rk, rv = kv_quant.dequantize(want, C)
     for a, b, x in ((k, rk, written[:, :, 0]), (v, rv, written[:, :, 1])):
         step = (x.max() - x.min()) / (2 ** bits - 1)
@@ -96,7 +97,7 @@ def test_the_residual_and_the_pinned_blocks_stay_float():
     store = quant_store(2, 64, D, 2, block, R, pin=1)
     k, v = (rng.standard_normal((50, 2, D)).astype(np.float32) for _ in range(2))
     for t in range(50):
-        cpu.CpuBackend(1).store_kv(store, None, np.full((2, 1), t), k[t:t + 1], v[t:t + 1])
+        CpuBackend(1).store_kv(store, None, np.full((2, 1), t), k[t:t + 1], v[t:t + 1])
     rk, rv = kv_quant.dequantize(store, 50)
     for got, x in ((rk, k), (rv, v)):
         x16 = x.transpose(1, 0, 2).astype(np.float16).astype(np.float32)
@@ -124,7 +125,7 @@ def test_decode_attention_reads_the_codes_as_the_reference(bits, S, window, rati
     q_pos = np.maximum(np.arange(S - T, S), 0)
     want_score, got_score = np.zeros((G, 1024), np.float32), np.zeros((G, 1024), np.float32)
     want = ref.attention(q, store, None, q_pos, k_pos, 0.125, window, want_score)
-    got = cpu.CpuBackend(2).attention(q, store, None, q_pos, k_pos, 0.125, window, got_score)
+    got = CpuBackend(2).attention(q, store, None, q_pos, k_pos, 0.125, window, got_score)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert np.abs(got_score - want_score).max() <= 1e-5 * T
 

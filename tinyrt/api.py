@@ -402,7 +402,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto",
     its quantized tensors on the quantized kernels), a known name, or None for the default model
     (its GGUF fetched on first use). `threads`: the most threads of the CPU kernels (default: a
     thread per CPU this process may use); fewer while other programs keep cores busy, measured as
-    it runs (kernels.cores). `dtype` "f16" / "f32": run on float weights instead. `draft`
+    it runs (kernels.cpu.cores). `dtype` "f16" / "f32": run on float weights instead. `draft`
     (speculative decoding): a model with the same vocabulary (as `model`), `lookup` (prompt
     lookup) or `layers:N` (the model's first N layers); drafts of at most `draft_tokens`.
     `cache` is the KV cache options (kv_cache.CacheOptions), or give its fields as keywords

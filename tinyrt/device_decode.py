@@ -3,7 +3,7 @@
 A step on the CUDA backend is ~400 kernel launches; issued one by one from Python, with the
 positions, slot tables and RoPE angles copied up and the logits copied down each token, the host
 is the bottleneck. Here a step reads everything that changes from device memory (the token,
-the cache's state and tables: kernels.gpu_step), so the same launches replay as a CUDA graph;
+the cache's state and tables: kernels.cuda.step), so the same launches replay as a CUDA graph;
 sampling runs on the device too (torch ops), and one token id crosses to the host per step.
 
 While a `DeviceDecoder` runs, the device owns the KV cache's bookkeeping (position, length,
@@ -23,7 +23,8 @@ import sys
 
 import numpy as np
 
-from tinyrt.kernels import gpu_step as gs
+from tinyrt.kernels.cuda import step as gs
+from tinyrt.kernels.cuda.primitives import SIM
 
 from .kv_cache import SCORE_DECAY, SCORE_FLOOR, H2OCache, KVCache, SinkCache
 from .sampling import Sampler
@@ -164,7 +165,7 @@ class DeviceDecoder:
         self.history = history
         self.sampler = DeviceSampler(be, sampler, cfg.vocab_size, int(sampler.rng.integers(2 ** 62)))
         self.steps = 0
-        self.use_graph = graph and not gs.gpu._SIM
+        self.use_graph = graph and not SIM
         self.graph = None
         self.host_tok = t.zeros(1, dtype=t.int64, pin_memory=dev != "cpu")
 

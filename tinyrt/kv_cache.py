@@ -54,7 +54,7 @@ DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
 # less. KIVI's residual of 128.
 DEFAULT_GROUPS = {"q8": 64, "q4": 64, "q2": 32}
 DEFAULT_RESIDUAL = 128
-MAX_GROUP = 256          # a block of decode attention's slots (kernels.cpu.ATTENTION_BLOCK)
+MAX_GROUP = 256          # a block of decode attention's slots (cpu.attention.ATTENTION_BLOCK)
 # The most tokens a cache may hold (--kv-size, and --sinks and --recent within it): 16M, past
 # any model's context; a larger number is a mistake, said before anything loads
 MAX_SIZE = 1 << 24

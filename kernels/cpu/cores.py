@@ -1,22 +1,15 @@
 """How many threads the CPU kernels run on: the cores that other programs leave free, measured
 as the run goes.
 
-Every parallel kernel is a fork and a join of a team of threads, and a decoded token runs about
-150 of them. On a quiet machine a join costs about a microsecond. When other programs keep the
-cores busy, the scheduler parks one thread of the team for a time slice now and then, and a join
-waits for it: on 2 cores with 2 busy loops, a join around 8 us of work took 40 us to 8 ms (the
-scheduler decides which), and decode fell from ~150 tok/s to between 1 and 50, where one thread,
-which joins nothing, kept ~90. So the team is as large as the cores that are free.
-
-Every WINDOW seconds (checked when a kernel is about to run, so an idle process measures
-nothing), the time this process's CPUs spent busy (the kernel's counters, /proc/stat) less this
-process's own CPU time is the work of other programs, in cores; the cores left over, rounded, are
-the threads to use, never fewer than one nor more than asked for. More work elsewhere takes a
-thread away at once; a thread comes back after two windows that both found its core free, so that
-two tinyrt processes sharing a machine settle rather than rise and fall together. Niced work
-(counted apart by the kernel) does not count unless this process is niced too: the scheduler
-gives our threads its cores. A CPU quota (a container's) caps the count. Where the counters
-cannot be read (not Linux), the count stays as asked.
+Every parallel kernel is a fork and a join of a team of threads, and a join waits for the
+slowest: where other programs keep the cores busy, the scheduler parks a thread of the team now
+and then, and a join that should take microseconds takes milliseconds (docs/SPEED.md). So the
+team is as large as the cores that are free: every WINDOW seconds (checked as a kernel is about
+to run), the busy time of this process's CPUs (/proc/stat) less its own CPU time is the others'
+work, in cores. More work elsewhere takes a thread away at once; a thread comes back after
+UP_WINDOWS windows that found its core free, so two tinyrt processes settle rather than rise and
+fall together. Niced work does not count unless this process is niced too; a container's CPU
+quota caps the count; where the counters cannot be read (not Linux), the count stays as asked.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Numba CPU kernels of the quantized KV cache (kernels.kv_quant defines its layout and math):
 writing rows (opening and sealing blocks of the float pool) and dequantizing it for a prompt's
-attention. Decode attention reads the codes in place (cpu.attention_decode_q).
+attention. Decode attention reads the codes in place (attention.attention_decode_q).
 
 float16 arrays (scales, zeros, the pool) are passed as their uint16 bits: Numba's CPU target
 has no float16 (simd.as_float / simd.to_cache convert).

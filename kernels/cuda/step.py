@@ -15,8 +15,9 @@ import math
 
 from numba import cuda, float32, float64, int64
 
-from . import gpu
-from .gpu import THREADS     # (a constant where a kernel compiles: its shared arrays' size)
+from . import launchers
+from .launchers import blocks
+from .primitives import HALF_MAX, THREADS, clip    # (THREADS: a constant where a kernel compiles)
 
 
 # the fields of `state` (int64): this step's position and (dense/sink) slot; the next position;
@@ -137,33 +138,33 @@ def rotate_sinks(k, v, sink_k, sink_v, state, inv_freq, top):
     ang = float64(i + shift) * float64(inv_freq[d])
     c, s = float32(math.cos(ang)), float32(math.sin(ang))
     x1, x2 = sink_k[i, r, d], sink_k[i, r, d + half]
-    k[r, i, d] = gpu._clip(x1 * c - x2 * s, -top, top)
-    k[r, i, d + half] = gpu._clip(x2 * c + x1 * s, -top, top)
-    v[r, i, d] = gpu._clip(sink_v[i, r, d], -top, top)
-    v[r, i, d + half] = gpu._clip(sink_v[i, r, d + half], -top, top)
+    k[r, i, d] = clip(x1 * c - x2 * s, -top, top)
+    k[r, i, d + half] = clip(x2 * c + x1 * s, -top, top)
+    v[r, i, d] = clip(sink_v[i, r, d], -top, top)
+    v[r, i, d + half] = clip(sink_v[i, r, d + half], -top, top)
 
 
 def launch_begin(state, policy: int, n_sink: int, size: int, ring: int) -> None:
-    gpu._launch(begin, 1, 1, state, policy, n_sink, size, ring)
+    launchers.launch(begin, 1, 1, state, policy, n_sink, size, ring)
 
 
 def launch_take_slot(state, slots, table) -> None:
-    gpu._launch(take_slot, 1, 1, state, slots, table)
+    launchers.launch(take_slot, 1, 1, state, slots, table)
 
 
 def launch_take_slot_h2o(state, slots, table, score, n_sink: int, recent: int, decay,
                          floor) -> None:
-    gpu._launch(take_slot_h2o, table.shape[0], THREADS, state, slots, table, score, n_sink,
+    launchers.launch(take_slot_h2o, table.shape[0], THREADS, state, slots, table, score, n_sink,
             recent, float32(decay), float32(floor))
 
 
 def launch_rope_row(inv_freq, state, cos, sin) -> None:
-    gpu._launch(rope_row, gpu._blocks(inv_freq.shape[0], THREADS), THREADS, inv_freq, state,
+    launchers.launch(rope_row, blocks(inv_freq.shape[0], THREADS), THREADS, inv_freq, state,
             cos, sin)
 
 
 def launch_rotate_sinks(k, v, sink_k, sink_v, state, inv_freq) -> None:
-    top = float32(gpu.HALF_MAX if str(k.dtype).endswith("float16") else math.inf)
+    top = float32(HALF_MAX if str(k.dtype).endswith("float16") else math.inf)
     n, R, D = sink_k.shape
-    gpu._launch(rotate_sinks, gpu._blocks(n * R * (D // 2), THREADS), THREADS, k, v, sink_k,
+    launchers.launch(rotate_sinks, blocks(n * R * (D // 2), THREADS), THREADS, k, v, sink_k,
             sink_v, state, inv_freq, top)

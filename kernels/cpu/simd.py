@@ -4,9 +4,9 @@ cache_axpy4, fmax at the end of the file).
 
 Numba types integer arithmetic in 64 bits, and LLVM's vectorizer then multiplies the codes by
 activations in 64-bit lanes. Written directly as LLVM vector IR, the same loop lowers to the
-CPU's 16-bit multiply-add of pairs (x86: pmaddwd, or vpdpwssd where AVX-512 VNNI / AVX-VNNI exist;
-Arm: smull + addp), which multiplies 32 code/activation pairs per instruction. The IR is
-target-independent; LLVM picks the instructions for the machine Numba compiles for.
+CPU's 16-bit multiply-add of pairs (x86: pmaddwd, or vpdpwssd where AVX-512 VNNI / AVX-VNNI exist),
+which multiplies 32 code/activation pairs per instruction. The IR is target-independent; LLVM
+picks the instructions for the machine Numba compiles for (on Arm today: smull on halves).
 
 The layout it reads, "pair-planar tiles", for values of b = 1, 2 or 4 bits (a plane of the codes
 of kernels.quant: their low 4 bits, or their high 1, 2 or 4 bits): a layer's outputs go in

@@ -1,0 +1,200 @@
+"""The backend that runs the decoder on the CUDA kernels (`CudaBackend`), and why it cannot
+run on a machine (`unavailable`)."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import cuda
+
+from .. import kv_quant, quant, reference
+from .kernels import GpuQuant, repack
+from .launchers import (launch_attention, launch_attention_decode_q, launch_dequantize_kv,
+                        launch_gemv, launch_q_dequantize, launch_q_gemv, launch_rmsnorm,
+                        launch_rope, launch_silu_mul, launch_store_kv, launch_store_kv_q)
+from .primitives import LANES, SIM
+
+
+class CudaBackend(reference.ReferenceBackend):
+    """The decoder's ops on this package's CUDA kernels. Device arrays are torch tensors on the
+    GPU (the kernels read them through the CUDA array interface, no copies); in Numba's CUDA
+    simulator torch tensors in host memory, so that the whole backend runs, slowly and as it
+    does on a GPU, where there is none.
+    Weights are uploaded once, at load: quantized layers as kernels.quant holds them, float
+    weights as float16.
+    Host inputs (positions, RoPE tables, the sinks' keys) are copied up where an op takes them.
+    """
+
+    name = "cuda"
+    host_memory = False
+    quantized_kv = True      # float16, float32 and kv_quant caches
+
+    def __init__(self, cuda_graph: bool = True):
+        import torch
+
+        self.cuda_graph = cuda_graph     # decode steps replayed as a CUDA graph (tinyrt.device_decode)
+
+        self.torch = torch
+        # in Numba's CUDA simulator the tensors live in host memory, and `launch` hands the
+        # kernels NumPy views of them: the rest of the backend is the code the GPU runs
+        self.device = "cpu" if SIM else "cuda"
+        self._types = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+                       np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+                       np.dtype(np.uint8): torch.uint8}
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def dev(self, a, dtype=np.float32):
+        """A contiguous device tensor of `a` (host array or tensor) as `dtype`; a host array is
+        copied."""
+        t = self._types[np.dtype(dtype)]
+        if isinstance(a, self.torch.Tensor):
+            return a.to(device=self.device, dtype=t).contiguous()
+        return self.torch.tensor(np.ascontiguousarray(a, dtype), device=self.device)
+
+    def empty(self, shape, dtype=np.float32):
+        return self.torch.empty(shape, dtype=self._types[np.dtype(dtype)], device=self.device)
+
+    def zeros(self, shape, dtype=np.float32):
+        return self.torch.zeros(shape, dtype=self._types[np.dtype(dtype)], device=self.device)
+
+    def to_numpy(self, x) -> np.ndarray:
+        """A host copy, of the same dtype (as the reference backend's arrays are)."""
+        if isinstance(x, np.ndarray):
+            return x
+        return x.detach().to("cpu", copy=True).numpy()
+
+    def _matmul(self, x, w_t):
+        """x [T, in] @ w_t [in, out] on the device (cuBLAS through torch), in float32: a
+        float16 GEMM overflows where activations pass 65504 (random-weight models do)."""
+        return x @ w_t.float()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def prepare_linear(self, parts: list):
+        if all(isinstance(p, quant.QuantWeight) for p in parts):
+            # one float scale and offset per group, 4- or 8-bit codes: the kernels' one layout
+            w = quant.concat(parts)
+            w = quant.flat(w, 4 if w.bits == 4 else 8)
+            n_in = w.shape[1]
+            return GpuQuant(self.dev(repack(w.codes, w.bits, n_in, LANES), np.int32),
+                            self.dev(w.scale, w.scale.dtype), self.dev(w.offset, w.offset.dtype),
+                            w.bits, n_in, LANES)
+        return self.dev(super().prepare_linear(parts), np.float16)
+
+    def prepare_head(self, table: np.ndarray, quantized: bool = False):
+        return self.dev(super().prepare_head(table, quantized), np.float16)
+
+    def prepare_vector(self, a: np.ndarray):
+        return self.dev(a)
+
+    def prepare_embedding(self, table):
+        if not isinstance(table, np.ndarray):        # rows dequantized as indexed: all of them
+            table = table[np.arange(table.shape[0])]
+        return self.dev(table, np.float16)
+
+    # -- ops -------------------------------------------------------------------------------------
+
+    def embedding(self, table, ids):
+        if not isinstance(ids, self.torch.Tensor):
+            ids = self.torch.as_tensor(np.asarray(ids, np.int64), device=self.device)
+        return table[ids].float()
+
+    def linear(self, x, w):
+        x = self.dev(x)
+        T = x.shape[0]
+        if isinstance(w, GpuQuant):
+            if T == 1:
+                y = self.empty((1, w.shape[0]))
+                launch_q_gemv(x[0], w, y[0])
+                return y
+            w_t = self.empty((w.shape[1], w.shape[0]))
+            launch_q_dequantize(w, w_t)
+            return self._matmul(x, w_t)
+        if T == 1:
+            y = self.empty((1, w.shape[0]))
+            launch_gemv(x[0], w, y[0])
+            return y
+        return self._matmul(x, w.T)
+
+    def rmsnorm(self, x, w, eps):
+        x = self.dev(x)
+        y = self.empty(x.shape)
+        launch_rmsnorm(x, w, eps, y)
+        return y
+
+    def rope(self, x, cos, sin):
+        x = self.dev(x)
+        y = self.empty(x.shape)
+        launch_rope(x, self.dev(cos), self.dev(sin), y)
+        return y
+
+    def swiglu(self, gu):
+        gu = self.dev(gu)
+        y = self.empty((gu.shape[0], gu.shape[1] // 2))
+        launch_silu_mul(gu, y)
+        return y
+
+    def store_kv(self, k_buf, v_buf, slots, k, v):
+        slots, k, v = self.dev(slots, np.int64), self.dev(k), self.dev(v)
+        if isinstance(k_buf, kv_quant.QuantKV):
+            launch_store_kv_q(k_buf, slots, k, v)
+        else:
+            launch_store_kv(k_buf, v_buf, slots, k, v)
+
+    def _dequantized(self, store: kv_quant.QuantKV, n: int):
+        """Slots [0, n) of a quantized cache as float32 device arrays k, v [N, n, D]."""
+        N, D = store.where.shape[0], store.head_dim
+        k, v = self.empty((N, n, D)), self.empty((N, n, D))
+        launch_dequantize_kv(store, k, v)
+        return k, v
+
+    def read_kv(self, k_buf, v_buf, n):
+        if isinstance(k_buf, kv_quant.QuantKV):
+            return tuple(self.to_numpy(a) for a in self._dequantized(k_buf, n))
+        return super().read_kv(k_buf, v_buf, n)
+
+    def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None):
+        """Flash-decoding over a float cache, a prompt's queries in one launch set (their own
+        and later tokens' slots hidden by the causal mask); the positions uploaded once, k_pos
+        with its own first dim (one table for all heads, or one per head). A quantized cache (k
+        a QuantKV) is read in place for one query; for a prompt's, its slots are dequantized
+        once into float32 buffers that the float kernels read."""
+        q = self.dev(q)
+        T, Q, D = q.shape
+        quantized = isinstance(k, kv_quant.QuantKV)
+        G, S = (k.where if quantized else k).shape[0], k_pos.shape[-1]
+        k_pos = self.dev(k_pos, np.int64).reshape(-1, S)
+        sc = self.zeros((G, 0)) if score is None else self.dev(score)
+        out = self.empty((T, Q, D))
+        if quantized and T == 1:
+            launch_attention_decode_q(q[0], k, int(q_pos[0]), k_pos.expand(G, S).contiguous(),
+                                      scale, window or 0, sc, self.empty((Q, S)), out[0])
+        else:
+            if quantized:
+                k, v = self._dequantized(k, S)
+            launch_attention(q, k, v, self.dev(q_pos, np.int64), k_pos, scale, window or 0, sc,
+                             out, self.empty)
+        if score is not None and sc is not score:
+            score[...] = self.to_numpy(sc)          # a cache that keeps its scores on the host
+        return out
+
+
+def unavailable() -> str | None:
+    """Why the CUDA backend cannot run here (None: it can; Numba's CUDA simulator counts)."""
+    if numba.config.ENABLE_CUDASIM:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return "the CUDA backend needs PyTorch built with CUDA (pip install torch)"
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA GPU (no device, no driver, or a CPU-only build of torch)"
+    if not cuda.is_available():
+        return "Numba sees no CUDA GPU (is the CUDA driver installed?)"
+    from numba.cuda.cudadrv import nvvm
+
+    if not nvvm.is_available():      # (the kernels compile through it; torch's wheels lack it)
+        return ("Numba finds no libNVVM to compile the CUDA kernels with (torch's wheels do not "
+                "ship it): install the CUDA toolkit, or set CUDA_HOME to one")
+    return None

@@ -1,0 +1,142 @@
+"""The launchers: each kernel's grid and block, and every launch on torch's current stream."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from .. import kv_quant
+from .kernels import (attention_chunk, attention_combine, attention_scores, attention_split, gemv,
+                      q_dequantize, q_gemv, rmsnorm, rope, silu_mul, store_kv)
+from .kv import MAX_CODES, attention_decode_q, dequantize_kv, store_kv_q
+from .primitives import HALF_MAX, LANES, ROWS, SIM, THREADS
+
+SCORES_MAX = 2 ** 24     # the most floats of scores [T, Q, S] one launch set of attention keeps
+
+
+def blocks(n: int, per: int) -> int:
+    return max(1, (n + per - 1) // per)
+
+
+def _size(a) -> int:
+    """Elements of a NumPy array or a torch tensor (whose `size` is a method)."""
+    return math.prod(a.shape)
+
+
+_streams: dict = {}
+
+
+def launch(kernel, grid, block, *args) -> None:
+    """Every launch, on torch's current stream: the GPU runs the kernels in torch's order, and
+    a CUDA graph that torch captures sees them. Numba's CUDA simulator has no streams and takes
+    NumPy arrays: there a torch tensor goes in as a NumPy view of its memory (the kernel's
+    writes land in it), and the rest is the same code."""
+    if SIM:
+        kernel[grid, block](*(a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray)
+                              else a for a in args))
+        return
+    import torch
+
+    handle = torch.cuda.current_stream().cuda_stream
+    stream = _streams.get(handle)
+    if stream is None:
+        stream = _streams[handle] = cuda.external_stream(handle)
+    kernel[grid, block, stream](*args)
+
+
+# Fewer row blocks than this and a GEMV splits each row's tiles in two halves, in two blocks
+# (split-K): a GPU holds about 1000 blocks of 256 threads at once (8 on each of 132 SMs), and a
+# layer of few outputs would leave SMs short of warps to hide memory latency with.
+SPLIT_BELOW = 1024
+
+
+def _lanes(w) -> None:
+    if w.lanes != LANES:
+        raise ValueError(f"codes tiled for {w.lanes} lanes, kernels launched with {LANES}")
+
+
+def launch_q_gemv(x, w, y) -> None:
+    """y [out] = x [in] @ W.T for a GpuQuant w; y a torch tensor or a NumPy array."""
+    _lanes(w)
+    rows = blocks(w.shape[0], ROWS)
+    splits = 2 if rows < SPLIT_BELOW and w.codes.shape[1] >= 2 * LANES else 1
+    if splits == 2:
+        # the halves are added into y atomically: 0 + a + b is the same float in either order,
+        # so y is deterministic (with more splits it would not be). Torch zeroes it on its
+        # current stream, before the kernel there.
+        y[...] = 0
+    launch(q_gemv, (rows, splits), (LANES, ROWS), x, w.codes, w.scale, w.offset, w.bits,
+            w.n_in, w.group, y)
+
+
+def launch_gemv(x, w, y) -> None:
+    launch(gemv, blocks(w.shape[0], ROWS), (LANES, ROWS), x, w, y)
+
+
+def launch_rmsnorm(x, w, eps: float, y) -> None:
+    launch(rmsnorm, x.shape[0], THREADS, x, w, np.float32(eps), y)
+
+
+def launch_rope(x, cos, sin, y) -> None:
+    T, N, D = x.shape
+    launch(rope, blocks(T * N * (D // 2), THREADS), THREADS, x, cos, sin, y)
+
+
+def launch_silu_mul(gu, y) -> None:
+    launch(silu_mul, blocks(y.shape[0] * y.shape[1], THREADS), THREADS, gu, y)
+
+
+def launch_store_kv(k_buf, v_buf, slots, k, v) -> None:
+    top = np.float32(HALF_MAX if str(k_buf.dtype).endswith("float16") else np.inf)   # numpy or torch
+    launch(store_kv, blocks(_size(k), THREADS), THREADS, k_buf, v_buf, slots, k, v, top)
+
+
+def launch_attention(q, k, v, q_pos, k_pos, scale: float, window: int, score, out, empty,
+                     chunk: int | None = None) -> None:
+    """out [T, Q, D] = attention of the queries q [T, Q, D] at positions q_pos [T] (int64) over
+    a float cache k, v [G, C, D] whose slots [0, S) hold positions k_pos [Gk, S] (int64; Gk: G
+    or 1); window 0: none; score [G, C] (H2O; [G, 0]: none) gets each slot's weights added.
+    empty(shape) allocates float32 scratch on the device: the scores [T, Q, S] and the splits'
+    partials, for queries in batches whose scores stay under SCORES_MAX floats (a long prompt).
+    chunk: the slots a split takes (default: attention_chunk's)."""
+    T, Q, D = q.shape
+    G, S = k.shape[0], k_pos.shape[1]
+    n = max(1, min(T, SCORES_MAX // max(1, Q * S), 65535))    # (65535: a grid's z limit)
+    chunk = chunk or attention_chunk(S, Q, n)
+    splits = blocks(S, chunk)
+    probs, part = empty((n, Q, S)), empty((n, Q, splits, D))
+    ml, stats = empty((n, Q, splits, 2)), empty((n, Q, 2))
+    for a in range(0, T, n):
+        b = min(T, a + n)
+        probs_b, part_b, ml_b, stats_b = (x[:b - a] for x in (probs, part, ml, stats))
+        launch(attention_split, (Q, splits, b - a), THREADS, q[a:b], k, v, q_pos[a:b], k_pos,
+                np.float32(scale), window, chunk, probs_b, part_b, ml_b)
+        launch(attention_combine, (Q, b - a), THREADS, part_b, ml_b, out[a:b], stats_b)
+        if score.shape[1] > 0:
+            launch(attention_scores, blocks(G * S, THREADS), THREADS, probs_b, stats_b, score)
+
+
+def launch_store_kv_q(store: kv_quant.QuantKV, slots, k, v) -> None:
+    """kv_quant.store_kv of k, v [T, N, D] at slots [N, T] into the store's N rows."""
+    if max(store.block, store.head_dim) > MAX_CODES:
+        raise ValueError(f"a quantized cache's block and head dim must be at most {MAX_CODES}")
+    launch(store_kv_q, slots.shape[0], THREADS, *store[:-1], store.pin, slots, k, v)
+
+
+def launch_dequantize_kv(store: kv_quant.QuantKV, k_out, v_out) -> None:
+    N, S, D = k_out.shape
+    launch(dequantize_kv, blocks(N * S * D, THREADS), THREADS, *store[:7], k_out, v_out)
+
+
+def launch_attention_decode_q(q, store: kv_quant.QuantKV, q_pos: int, k_pos, scale: float,
+                              window: int, score, probs, out) -> None:
+    launch(attention_decode_q, q.shape[0], THREADS, q, *store[:7], q_pos, k_pos,
+            np.float32(scale), window, score, probs, out)
+
+
+def launch_q_dequantize(w, dst) -> None:
+    _lanes(w)
+    launch(q_dequantize, blocks(_size(w.codes), THREADS), THREADS, w.codes, w.scale, w.offset,
+            w.bits, w.n_in, w.group, dst)

@@ -1,0 +1,66 @@
+"""What the CUDA kernels here share: the block shapes, and device functions for bounds, block
+reductions and which cache slots a query sees.
+
+Numba's CUDA simulator runs every CUDA thread as a Python thread: there (SIM), blocks are
+smaller; every kernel is written for any of these sizes.
+"""
+
+from __future__ import annotations
+
+import numba
+from numba import cuda
+
+from .. import jit_cache
+
+jit_cache.guard()    # a kernel here compiles in device functions of this package's other files
+
+SIM = bool(numba.config.ENABLE_CUDASIM)
+LANES = 4 if SIM else 32     # threads per output row of a GEMV (a warp: neighbouring words of
+                             # a row, 128 bytes at once)
+ROWS = 2 if SIM else 8       # output rows per block of a GEMV
+THREADS = 8 if SIM else 128  # threads per block of RMSNorm and of decode attention (a power
+                             # of two: the block reductions halve it)
+HALF_MAX = 65504.0   # the largest finite float16 (a float16 cache clamps to it, as the reference)
+
+
+# The kernels compare with `if` rather than call the builtins min and max: Numba 0.68's built-in
+# CUDA target (deprecated for the numba-cuda package) fails to compile those builtins, and a test
+# compiles every kernel to PTX with whichever target is installed.
+@cuda.jit(device=True)
+def lesser(a, b):
+    return a if a < b else b
+
+
+@cuda.jit(device=True)
+def greater(a, b):
+    return a if a > b else b
+
+
+@cuda.jit(device=True)
+def clip(x, lo, hi):
+    return lo if x < lo else hi if x > hi else x
+
+
+@cuda.jit(device=True)
+def block_reduce(part, tid, value, take_max):
+    """The sum (or, with take_max, the largest) of `value` over a block of THREADS threads, in
+    shared scratch part [THREADS]: halving strides, a barrier after each."""
+    part[tid] = value
+    cuda.syncthreads()
+    stride = THREADS // 2
+    while stride > 0:
+        if tid < stride:
+            other = part[tid + stride]
+            part[tid] = greater(part[tid], other) if take_max else part[tid] + other
+        cuda.syncthreads()
+        stride //= 2
+    result = part[0]
+    cuda.syncthreads()
+    return result
+
+
+@cuda.jit(device=True)
+def visible(p, q_pos, window):
+    """Whether a query at q_pos sees the slot holding position p (-1: free): causal, and inside
+    the window (window <= 0: none)."""
+    return p >= 0 and p <= q_pos and (window <= 0 or q_pos - p < window)
