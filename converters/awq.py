@@ -20,10 +20,7 @@ For each layer, on the calibration activations that reach it:
 
 Only one layer's weights and activations are held at a time; the peak above the interpreter's is
 about  calibration tokens x 4 (8 H + 4 I)  +  three float32 copies of one layer  +  two float32
-copies of the embedding  bytes (`peak_bytes`). Measured for SmolLM2-135M (H 576, I 1536): 582, 652
-and 879 MB at 2k, 4k and 8k calibration tokens; the formula gives 356, 444 and 620 MB above a
-~230 MB interpreter with numpy, tokenizers and the GGUF reader. For a Llama-2-7B shape (H 4096,
-I 11008, vocab 32000) at 2k tokens: 0.63 + 2.4 + 1.0 GB, about 4 GB: a 16 GB machine is enough.
+copies of the embedding  bytes (`peak_bytes`; measured figures in docs/FORMATS.md).
 """
 
 from __future__ import annotations

@@ -56,14 +56,14 @@ def read_text(path: str | Path) -> str:
             try:
                 obj = json.loads(line)
             except (ValueError, RecursionError):        # RecursionError: nesting too deep
-                raise TinyrtError(f"--calib {paths.shown(path)}:{n}: not a JSON object") from None
+                raise TinyrtError(f"--calib {paths.shown_path(path)}:{n}: not a JSON object") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise TinyrtError(f'--calib {paths.shown(path)}:{n}: a JSON line needs a string '
+                raise TinyrtError(f'--calib {paths.shown_path(path)}:{n}: a JSON line needs a string '
                                   '"text" field')
             texts.append(obj["text"])
         raw = "\n\n".join(texts)
     if not raw.strip():
-        raise TinyrtError(f"--calib {paths.shown(path)} is empty")
+        raise TinyrtError(f"--calib {paths.shown_path(path)} is empty")
     return raw
 
 

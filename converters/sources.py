@@ -14,7 +14,8 @@ from tinyrt.errors import ModelFormatError
 from tinyrt.gguf_tokenizer import tokenizer_files
 from tinyrt.models.gguf import GGUFFile
 from tinyrt.models.weights import WeightStore, all_finite, is_mapped
-from tinyrt.paths import MAX_TOKENIZER_BYTES, read_bytes, read_json, shown, stat_or_none, user_path
+from tinyrt.paths import (MAX_TOKENIZER_BYTES, read_bytes, read_json, shown_path, stat_or_none,
+                          user_path)
 
 # files of an HF directory that travel with the weights, as they are
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -56,11 +57,11 @@ def open_source(path: str | Path) -> Source:
     path = user_path(path, "SRC")
     info = stat_or_none(path, "SRC")
     if info is None:
-        raise ModelFormatError(f"SRC {shown(path)} does not exist")
+        raise ModelFormatError(f"SRC {shown_path(path)} does not exist")
     if stat.S_ISDIR(info.st_mode):
         return hf_source(path)
     if not stat.S_ISREG(info.st_mode):          # a FIFO or a device: nothing to map
-        raise ModelFormatError(f"SRC {shown(path)} is neither a GGUF file nor an HF directory")
+        raise ModelFormatError(f"SRC {shown_path(path)} is neither a GGUF file nor an HF directory")
     return gguf_source(path)
 
 
@@ -77,7 +78,7 @@ def gguf_source(path: Path) -> Source:
 def hf_source(path: Path) -> Source:
     cfg = read_json(path / "config.json", missing_ok=True)
     if cfg is None:
-        raise ModelFormatError(f"{shown(path)} has no config.json: not an HF model directory")
+        raise ModelFormatError(f"{shown_path(path)} has no config.json: not an HF model directory")
     if cfg.get("quantization_config"):
         raise ModelFormatError(f"{path} is already quantized; convert from the float checkpoint")
     store = WeightStore(path)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tinyrt.errors import TinyrtError
-from tinyrt.paths import MAX_JSON_BYTES, read_json, shown, stat_or_none
+from tinyrt.paths import MAX_JSON_BYTES, read_json, shown_path, stat_or_none
 
 from .sources import TOKENIZER_FILES
 
@@ -47,7 +47,7 @@ def _real(path: Path) -> Path:
     try:
         return Path(os.path.realpath(path))
     except (OSError, RuntimeError) as e:          # a symlink loop, a name too long
-        raise TinyrtError(f"cannot use {shown(path)}: {e}") from None
+        raise TinyrtError(f"cannot use {shown_path(path)}: {e}") from None
 
 
 def _manifest(directory: Path) -> dict[str, int] | None:
@@ -94,15 +94,15 @@ def check_output(out: Path, force: bool = False, src: Path | None = None) -> Pat
     if src is not None:
         real_src = _real(src)
         if real_src == target or target in real_src.parents:
-            raise TinyrtError(f"OUT {shown(out)} is or holds SRC {shown(src)}: refusing to "
+            raise TinyrtError(f"OUT {shown_path(out)} is or holds SRC {shown_path(src)}: refusing to "
                               "write over the source")
     if stat_or_none(out, "OUT") is None:
         return target                  # nothing there (a symlink `out` is written where it points)
     if not force:
-        raise TinyrtError(f"{shown(out)} already exists (use --force to replace it)")
+        raise TinyrtError(f"{shown_path(out)} already exists (use --force to replace it)")
     why = _not_ours(target)
     if why:
-        raise TinyrtError(f"OUT {shown(out)} {why}; --force replaces only a model directory "
+        raise TinyrtError(f"OUT {shown_path(out)} {why}; --force replaces only a model directory "
                           "tinyrt wrote (remove it yourself if it is to go)")
     return target
 
@@ -169,7 +169,7 @@ def atomic_directory(out: str | Path, force: bool = False, src: str | Path | Non
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise TinyrtError(f"cannot create {shown(out)}: {e.strerror or e}") from None
+        raise TinyrtError(f"cannot create {shown_path(out)}: {e.strerror or e}") from None
     sweep_stale(target)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     if not tmp.is_symlink() and _manifest(tmp) is not None:
@@ -177,7 +177,7 @@ def atomic_directory(out: str | Path, force: bool = False, src: str | Path | Non
     try:
         tmp.mkdir()
     except OSError as e:                         # there, and not tinyrt's: left as it is
-        raise TinyrtError(f"cannot write {shown(out)}: {shown(tmp)}: {e.strerror or e}") from None
+        raise TinyrtError(f"cannot write {shown_path(out)}: {shown_path(tmp)}: {e.strerror or e}") from None
     try:
         # a manifest of no files from the start: what a killed run leaves is known as tinyrt's
         (tmp / MANIFEST).write_text(json.dumps({"written_by": WRITTEN_BY, "files": {}}),
@@ -191,7 +191,7 @@ def atomic_directory(out: str | Path, force: bool = False, src: str | Path | Non
                 os.fsync(fh.fileno())
         # again: OUT may have changed during a long conversion
         if check_output(out, force, src) != target:
-            raise TinyrtError(f"{shown(out)} changed during the conversion (nothing was written)")
+            raise TinyrtError(f"{shown_path(out)} changed during the conversion (nothing was written)")
         if os.path.lexists(target):
             old = target.parent / f".{target.name}.old-{os.getpid()}"
             os.replace(target, old)
@@ -201,7 +201,7 @@ def atomic_directory(out: str | Path, force: bool = False, src: str | Path | Non
             os.replace(tmp, target)
     except OSError as e:          # a full disk, a read-only or vanished directory
         shutil.rmtree(tmp, ignore_errors=True)
-        raise TinyrtError(f"cannot write {shown(out)}: {e.strerror or e} (nothing was written)") from None
+        raise TinyrtError(f"cannot write {shown_path(out)}: {e.strerror or e} (nothing was written)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -180,7 +180,7 @@ class ModelConfig:
         """The ranges of the values (from_dict has checked their kinds): messages name the field;
         from_dict adds the file."""
         fail = ModelFormatError
-        family(self.model_type)               # a clear error for a family tinyrt does not run
+        self.family                           # a clear error for a family tinyrt does not run
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings", "sliding_window"):

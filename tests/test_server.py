@@ -409,6 +409,43 @@ def test_requests_wait_their_turn_and_each_gets_its_own_reply(served):
     assert not errors and got == alone
 
 
+def test_waiting_requests_run_in_the_order_they_arrived(served, monkeypatch):
+    """First come, first served: the first request is held at its start while four more arrive,
+    each sent only once the engine counts the one before it waiting (so the order of arrival is
+    known, not raced); the model then runs them in that order. Each is told apart by its
+    max_tokens."""
+    served.idle()
+    gate, order, errors = threading.Event(), [], []
+    complete = served.llm.complete
+
+    def held(ids, **options):
+        order.append(options["max_tokens"])
+        if len(order) == 1:
+            gate.wait(timeout=60)
+        return complete(ids, **options)
+
+    def ask(n):
+        try:
+            served.client.completions.create(model="tiny", prompt="a b c", max_tokens=n,
+                                             temperature=0)
+        except Exception as e:          # (reported below)
+            errors.append(e)
+
+    monkeypatch.setattr(served.llm, "complete", held)
+    engine, threads = served.server.engine, []
+    for n in range(1, 6):
+        threads.append(threading.Thread(target=ask, args=(n,)))
+        threads[-1].start()
+        deadline = time.monotonic() + HANG
+        while len(order) < 1 or engine.waiting < n - 1:
+            assert time.monotonic() < deadline and not errors, (order, engine.waiting, errors)
+            time.sleep(0.01)
+    gate.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and order == [1, 2, 3, 4, 5]
+
+
 # -- the command -----------------------------------------------------------------------------------
 
 @pytest.mark.real_model

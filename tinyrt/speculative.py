@@ -20,9 +20,8 @@ How many tokens a draft proposes: at most gamma, a bound that adapts to what the
 within 1 and `--draft-tokens`); a draft model stops sooner where the probability it gives its
 whole draft (the product of its tokens' probabilities) falls below `DRAFT_CONFIDENCE`: a token
 it is unsure of is likely rejected, and costs a draft step all the same. The bound is low because
-a greedy target keeps more of a quantized copy's tokens than the copy's probabilities say (the
-two rank their candidates alike: of the default model's AWQ draft's tokens, 59 % of those it
-gave less than 0.3 were the target's own).
+a greedy target keeps more of a quantized copy's tokens than the copy's probabilities say
+(docs/SPECULATIVE.md).
 
 The caches roll back what the target rejects (a draft on the target's cache, its drafts too); a
 sink cache keeps gamma + 1 slots of slack for that (kv_cache.SinkCache). The h2o policy cannot

@@ -12,15 +12,15 @@ from typing import Any
 from jinja2 import filters as F
 from jinja2.utils import generate_lorem_ipsum, pass_environment, pass_eval_context
 
-from .template_sandbox import (ChatTemplateError, _int, _joined_size, _limits, _measure, _one_line,
-                               _percent_size, _replaced_size, _text_size)
+from .template_sandbox import (ChatTemplateError, current_limits, int_or, joined_size, measure,
+                               one_line, percent_size, replaced_size, text_size)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
             separators=None, sort_keys: bool = False) -> str:
-    limits = _limits()
-    width = len(indent) if isinstance(indent, str) else _int(indent)
-    limits.fits(width * (1 + _measure(x, limits.chars)[1]))     # json writes the indent per level
+    limits = current_limits()
+    width = len(indent) if isinstance(indent, str) else int_or(indent)
+    limits.fits(width * (1 + measure(x, limits.chars)[1]))     # json writes the indent per level
     encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                                sort_keys=sort_keys)
     pieces, chars = [], 0
@@ -33,58 +33,58 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
 
 
 def _center(value, width=80):
-    _limits().fits(_int(width))
+    current_limits().fits(int_or(width))
     return F.do_center(value, width)
 
 
 def _indent(s, width=4, first=False, blank=False):
     if not isinstance(s, str):      # (jinja2's indent does `s += "\n"`, extending a list in place)
         raise TypeError(f"indent takes a string, not {type(s).__name__}")
-    text, pad = s, len(width) if isinstance(width, str) else max(_int(width), 0)
-    _limits().fits(len(text) + (text.count("\n") + 1) * (pad + 1))
+    text, pad = s, len(width) if isinstance(width, str) else max(int_or(width), 0)
+    current_limits().fits(len(text) + (text.count("\n") + 1) * (pad + 1))
     return F.do_indent(s, width, first, blank)
 
 
 @pass_environment
 def _wordwrap(environment, s, width=79, break_long_words=True, wrapstring=None,
               break_on_hyphens=True):
-    limits, text = _limits(), str(s)
+    limits, text = current_limits(), str(s)
     wrap = environment.newline_sequence if wrapstring is None else str(wrapstring)
     limits.fits(len(text) + (2 * len(text) + 1) * len(wrap))   # a line per character at most
     longest = max(map(len, text.split()), default=0)
     # textwrap cuts a long word a line at a time, copying the rest of it each time
-    limits.charge(longest * longest // max(_int(width), 1))
+    limits.charge(longest * longest // max(int_or(width), 1))
     return F.do_wordwrap(environment, s, width, break_long_words, wrapstring, break_on_hyphens)
 
 
 @pass_eval_context
 def _replace(eval_ctx, s, old, new, count=None):
-    count_ = -1 if count is None else _int(count, -1)
-    _limits().fits(_replaced_size(str(s), str(old), str(new), count_))
+    count_ = -1 if count is None else int_or(count, -1)
+    current_limits().fits(replaced_size(str(s), str(old), str(new), count_))
     return F.do_replace(eval_ctx, s, old, new, count)
 
 
 def _format(value, *args, **kwargs):
-    limits = _limits()
-    limits.fits(_percent_size(str(value), kwargs or args, limits.chars))
+    limits = current_limits()
+    limits.fits(percent_size(str(value), kwargs or args, limits.chars))
     return F.do_format(value, *args, **kwargs)
 
 
 @pass_eval_context
 def _join(eval_ctx, value, d="", attribute=None):
     items = list(value)         # (read once, here)
-    limits = _limits()
-    limits.fits(_joined_size(d, items, limits.chars))
+    limits = current_limits()
+    limits.fits(joined_size(d, items, limits.chars))
     return F.sync_do_join(eval_ctx, items, d, attribute)
 
 
 def _batch(value, linecount, fill_with=None):
-    _limits().fits(_int(linecount), "a sequence", "items")
+    current_limits().fits(int_or(linecount), "a sequence", "items")
     return F.do_batch(value, linecount, fill_with)
 
 
 def _slice(value, slices, fill_with=None):
-    _limits().fits(_int(slices), "a sequence", "items")
+    current_limits().fits(int_or(slices), "a sequence", "items")
     return F.sync_do_slice(value, slices, fill_with)
 
 
@@ -95,18 +95,18 @@ def _sum(environment, iterable, attribute=None, start=0):
     values = list(iterable)
     if hasattr(start, "__len__"):       # sum() copies the partial sum at each step
         items = len(start) + sum(len(v) for v in values if hasattr(v, "__len__"))
-        _limits().charge(8 * len(values) * items)
+        current_limits().charge(8 * len(values) * items)
     return sum(values, start)
 
 
 def _round(value, precision=0, method="common"):
-    _limits().bits(abs(_int(precision)) * 4)       # it may compute 10 ** precision
+    current_limits().bits(abs(int_or(precision)) * 4)       # it may compute 10 ** precision
     return F.do_round(value, precision, method)
 
 
 def _pprint(value):
-    limits = _limits()
-    chars, depth = _measure(value, limits.chars)
+    limits = current_limits()
+    chars, depth = measure(value, limits.chars)
     limits.fits(chars * (depth + 1))               # each line indented by its depth
     return F.do_pprint(value)
 
@@ -126,24 +126,24 @@ def _guarded(f, measure_value: bool):
 
     @functools.wraps(f)
     def guarded(*args, **kwargs):
-        limits = _limits()
+        limits = current_limits()
         if measure_value and len(args) > value_at:
-            limits.fits(_text_size(args[value_at], limits.chars))
+            limits.fits(text_size(args[value_at], limits.chars))
         return limits.made(f(*args, **kwargs))
     return guarded
 
 
 def _raise_exception(message):
-    raise ChatTemplateError(f"the chat template refused the conversation: {_one_line(message)}")
+    raise ChatTemplateError(f"the chat template refused the conversation: {one_line(message)}")
 
 
 def _strftime_now(fmt):
-    _limits().fits(256 * len(fmt))      # (Python's strftime stops at 256 per format character)
+    current_limits().fits(256 * len(fmt))      # (Python's strftime stops at 256 per format character)
     return datetime.now().strftime(fmt)
 
 
 def _lipsum(n=5, html=True, min=20, max=100):     # (jinja2's names)
-    _limits().fits(_int(n) * (_int(max) * 16 + 10))   # a word and its punctuation: under 16
+    current_limits().fits(int_or(n) * (int_or(max) * 16 + 10))   # a word and its punctuation: under 16
     return generate_lorem_ipsum(n, html, min, max)
 
 

@@ -3,14 +3,14 @@
 A template comes inside a downloaded file, so it is untrusted: it runs in an
 `ImmutableSandboxedEnvironment` with transformers' options, helpers and variables, and its work
 is bounded so that a hostile template fails with one clear line instead of hanging or filling
-memory. One render (a `_Limits`) has a deadline, a number of `for` loop items, a size for any one
+memory. One render (a `Limits`) has a deadline, a number of `for` loop items, a size for any one
 value and for the prompt, and a number of bytes for all the values it builds, growing with the
 messages given. The checks sit where jinja2 lets a template do work: compiled code
 (`_Generator`: loop items, `~`, literals, macro and `{% set %}` buffers), the sandbox's hooks
-(`_Sandbox`: calls, operators, slices, `str.format`), and filters that can write far more than
+(`Sandbox`: calls, operators, slices, `str.format`), and filters that can write far more than
 they read, measured before they run (`_FILTERS`). Containers can share (a list may hold one big
-string many times), so text is estimated before it is made (`_measure`), and each container is
-measured as it is built (`_Limits.tree`).
+string many times), so text is estimated before it is made (`measure`), and each container is
+measured as it is built (`Limits.tree`).
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ KEEP_TREE = 64                # containers of this many items or more have their
 MESSAGE_CHARS = 300           # of a template's text quoted in an error
 
 
-def _one_line(text: Any) -> str:
+def one_line(text: Any) -> str:
     """`text` as a short single line, to quote in an error message."""
     text = " ".join(str(text).split())
     return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS] + "..."
 
 
-class _Limits:
+class Limits:
     """What one render (or one compile: jinja2 folds constant expressions then) may still use."""
 
     def __init__(self, input_chars: int = 0, chars: int = VALUE_CHARS, nbytes: int = VALUE_BYTES):
@@ -141,13 +141,13 @@ _CONTAINERS = (list, tuple, dict, set, frozenset, *_VIEWS)
 _active = threading.local()      # the limits of the render running in this thread
 
 
-def _limits() -> _Limits:
+def current_limits() -> Limits:
     limits = getattr(_active, "limits", None)
-    return limits if limits is not None else _Limits()   # (outside a render: each call on its own)
+    return limits if limits is not None else Limits()   # (outside a render: each call on its own)
 
 
 @contextlib.contextmanager
-def _limited(limits: _Limits):
+def limited(limits: Limits):
     """The render (or compile) in this thread uses `limits`."""
     previous = getattr(_active, "limits", None)
     _active.limits = limits
@@ -168,7 +168,7 @@ def _footprint(value) -> int:
     return size
 
 
-def _measure(value, limit: int) -> tuple[int, int]:
+def measure(value, limit: int) -> tuple[int, int]:
     """(an upper estimate of the length of `str(value)`, its nesting depth), the walk stopping once
     the length passes `limit`. Strings inside containers count as repr writes them (up to 10
     characters a character: '\\U000e0001'); numbers as their digits."""
@@ -205,11 +205,11 @@ def _measure(value, limit: int) -> tuple[int, int]:
     return chars, deepest
 
 
-def _text_size(value, limit: int) -> int:
-    return _measure(value, limit)[0]
+def text_size(value, limit: int) -> int:
+    return measure(value, limit)[0]
 
 
-def _int(x, default: int = 0) -> int:
+def int_or(x, default: int = 0) -> int:
     """An argument that should be an integer (anything else fails in the call itself)."""
     return x if isinstance(x, int) else default
 
@@ -218,17 +218,17 @@ def _digits(text: str | None) -> int:
     return 0 if not text else int(text) if len(text) <= 12 else 10 ** 13
 
 
-def _joined_size(sep, items: list, limit: int) -> int:
+def joined_size(sep, items: list, limit: int) -> int:
     """Characters of `sep.join(map(str, items))`."""
-    total = _text_size(sep, limit) * max(len(items) - 1, 0)
+    total = text_size(sep, limit) * max(len(items) - 1, 0)
     for item in items:
         if total > limit:
             break
-        total += _text_size(item, limit)
+        total += text_size(item, limit)
     return total
 
 
-def _replaced_size(s, old, new, count: int) -> int:
+def replaced_size(s, old, new, count: int) -> int:
     """Characters of `s.replace(old, new, count)` (TypeError for mismatched types, as replace)."""
     hits = s.count(old) if old else len(s) + 1
     if count >= 0:
@@ -241,31 +241,31 @@ _PERCENT_FIELD = re.compile(r"%(?:\((?P<key>[^)]*)\))?[-#0 +]*(?P<width>\*|\d+)?
                             r"(?:\.(?P<precision>\*|\d+))?[hlL]?.", re.S)
 
 
-def _percent_size(fmt, values, limit: int) -> int:
+def percent_size(fmt, values, limit: int) -> int:
     """Characters of `fmt % values`: the text, the values, each field's width and precision."""
     if isinstance(fmt, bytes):
         fmt = fmt.decode("latin-1")
     positional = values if isinstance(values, tuple) else (values,)
     star = max((abs(v) for v in positional if isinstance(v, int)), default=0)  # `*` takes a value
-    total = len(fmt) + sum(_text_size(v, limit) for v in positional)
+    total = len(fmt) + sum(text_size(v, limit) for v in positional)
     for field in _PERCENT_FIELD.finditer(fmt):
         if total > limit:
             break
         for n in (field["width"], field["precision"]):
             total += star if n == "*" else _digits(n)
         if field["key"] is not None and isinstance(values, dict):     # may repeat one value
-            total += _text_size(values.get(field["key"]), limit)
+            total += text_size(values.get(field["key"]), limit)
     return total
 
 
 def _noun(value) -> tuple[str, str]:
-    """How `_Limits.fits` names a value like this one."""
+    """How `Limits.fits` names a value like this one."""
     if isinstance(value, (str, bytes)):
         return "a string", "characters"
     return "a sequence", "items"
 
 
-def _check_binop(limits: _Limits, op: str, a, b):
+def _check_binop(limits: Limits, op: str, a, b):
     """Refuse an operation whose result would be too big, before Python builds it."""
     sized = (str, bytes, list, tuple)
     if op == "*":
@@ -282,24 +282,24 @@ def _check_binop(limits: _Limits, op: str, a, b):
         if isinstance(a, sized) and isinstance(b, sized):
             limits.fits(len(a) + len(b), *_noun(a))
     elif op == "%" and isinstance(a, (str, bytes)):
-        limits.fits(_percent_size(a, b, limits.chars))
+        limits.fits(percent_size(a, b, limits.chars))
 
 
-def _check_text_method(limits: _Limits, method, args: tuple, kwargs: dict) -> tuple:
+def _check_text_method(limits: Limits, method, args: tuple, kwargs: dict) -> tuple:
     """Refuse a str (or bytes) method call whose result would be too big; returns the arguments
     to call it with (join's items read once, into a list)."""
     s, name = method.__self__, method.__name__
     if name in ("center", "ljust", "rjust", "zfill") and args:
-        limits.fits(_int(args[0]))
+        limits.fits(int_or(args[0]))
     elif name == "expandtabs":
-        tab = _int(args[0] if args else kwargs.get("tabsize", 8))
+        tab = int_or(args[0] if args else kwargs.get("tabsize", 8))
         limits.fits(len(s) + s.count("\t" if isinstance(s, str) else b"\t") * max(tab, 0))
     elif name == "replace" and len(args) >= 2:
-        count = _int(args[2] if len(args) > 2 else kwargs.get("count", -1), -1)
-        limits.fits(_replaced_size(s, args[0], args[1], count))
+        count = int_or(args[2] if len(args) > 2 else kwargs.get("count", -1), -1)
+        limits.fits(replaced_size(s, args[0], args[1], count))
     elif name == "join" and args:
         args = (list(args[0]), *args[1:])
-        limits.fits(_joined_size(s, args[0], limits.chars))
+        limits.fits(joined_size(s, args[0], limits.chars))
     elif name == "translate" and args:        # each character may become a whole string
         table = args[0]
         values = (table.values() if isinstance(table, dict)
@@ -314,7 +314,7 @@ class _Counted:
 
     __slots__ = ("_items", "_iterator", "_limits")
 
-    def __init__(self, items, limits: _Limits):
+    def __init__(self, items, limits: Limits):
         self._items, self._iterator, self._limits = items, iter(items), limits
 
     def __iter__(self):
@@ -340,7 +340,7 @@ class _Buffer(list):
         self._chars = 0
 
     def _add(self, pieces):
-        limits = _limits()
+        limits = current_limits()
         n = sum(map(len, pieces))
         self._chars += n
         limits.fits(self._chars)
@@ -356,11 +356,11 @@ class _Buffer(list):
         super().extend(pieces)
 
 
-def _bounded_block(render_block):
+def bounded_block(render_block):
     """A `{% block %}`'s output, counted as it streams: `self.name()` joins it in one call."""
 
     def bounded(context):
-        limits, chars = _limits(), 0
+        limits, chars = current_limits(), 0
         for piece in render_block(context):
             chars += len(piece)
             limits.fits(chars)
@@ -380,7 +380,7 @@ class _Generator(CodeGenerator):
 
     @optimizeconst
     def visit_Concat(self, node, frame):
-        # (jinja2's choice of join, handed to `_Sandbox.joined` with the parts)
+        # (jinja2's choice of join, handed to `Sandbox.joined` with the parts)
         if frame.eval_ctx.volatile:
             join = "(markup_join if context.eval_ctx.volatile else str_join)"
         elif frame.eval_ctx.autoescape:
@@ -419,14 +419,14 @@ class _BoundedFields:
     """str.format's fields, measured before each is written."""
 
     def convert_field(self, value, conversion):
-        limits = _limits()
-        limits.fits(_text_size(value, limits.chars))       # !r and !a write all of it
+        limits = current_limits()
+        limits.fits(text_size(value, limits.chars))       # !r and !a write all of it
         return super().convert_field(value, conversion)
 
     def format_field(self, value, format_spec):
-        limits = _limits()
+        limits = current_limits()
         widths = [_digits(d) for d in re.findall(r"\d+", format_spec)]   # width, precision
-        limits.fits(_text_size(value, limits.chars) + max(widths, default=0))
+        limits.fits(text_size(value, limits.chars) + max(widths, default=0))
         text = super().format_field(value, format_spec)
         limits.charge(len(text))
         return text
@@ -440,17 +440,17 @@ class _EscapeFormatter(_BoundedFields, SandboxedEscapeFormatter):
     pass
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
+class Sandbox(ImmutableSandboxedEnvironment):
     code_generator_class = _Generator
     intercepted_binops = frozenset(["+", "-", "*", "/", "//", "%", "**"])
 
     def loop_items(self, items):
-        return _Counted(items, _limits())
+        return _Counted(items, current_limits())
 
     def joined(self, join, parts):
         """`a ~ b`: the parts measured as text before the join writes them."""
-        limits = _limits()
-        limits.fits(_joined_size("", parts, limits.chars))
+        limits = current_limits()
+        limits.fits(joined_size("", parts, limits.chars))
         return limits.made(join(parts))
 
     def output_buffer(self):
@@ -458,10 +458,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def built(self, value):
         """A list, tuple or dict written in the template."""
-        return _limits().made(value)
+        return current_limits().made(value)
 
     def call(self, context, obj, /, *args, **kwargs):
-        limits = _limits()
+        limits = current_limits()
         limits.tick()
         # (a macro's `varargs` and `kwargs` are containers built from the arguments; jinja2
         # passes its own `_loop_vars` and `_block_vars`)
@@ -475,13 +475,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return limits.made(super().call(context, obj, *args, **kwargs))
 
     def call_binop(self, context, operator, left, right):
-        limits = _limits()
+        limits = current_limits()
         _check_binop(limits, operator, left, right)
         return limits.made(super().call_binop(context, operator, left, right))
 
     def getitem(self, obj, argument):
         value = super().getitem(obj, argument)
-        return _limits().made(value) if isinstance(argument, slice) else value
+        return current_limits().made(value) if isinstance(argument, slice) else value
 
     def wrap_str_format(self, value):
         """jinja2's sandboxed str.format / format_map, with each field measured."""
@@ -503,15 +503,15 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return functools.update_wrapper(format, value)
 
 
-def _finalize(value):
+def finalize(value):
     """`{{ value }}`: measured as text before it is written."""
     if not isinstance(value, str):
-        limits = _limits()
-        limits.fits(_text_size(value, limits.chars))
+        limits = current_limits()
+        limits.fits(text_size(value, limits.chars))
     return value
 
 
-class _Generation(Extension):
+class Generation(Extension):
     """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's text for
     training): its body, as transformers renders it when not asked for that mask."""
 
@@ -545,10 +545,10 @@ def _input_chars(value) -> int:
 def render(template, variables: dict[str, Any]) -> str:
     """The text `template` (from compile_template) renders with `variables`, its work bounded
     by limits that grow with the strings given; every failure one ChatTemplateError."""
-    limits = _Limits(_input_chars(list(variables.values())))
+    limits = Limits(_input_chars(list(variables.values())))
     pieces, chars = [], 0
     try:
-        with _limited(limits):
+        with limited(limits):
             for piece in template.generate(**variables):
                 chars += len(piece)
                 limits.fits(chars, "a prompt")
@@ -557,11 +557,11 @@ def render(template, variables: dict[str, Any]) -> str:
         raise
     except SecurityError as e:
         raise ChatTemplateError(f"the chat template tried something unsafe: "
-                                f"{_one_line(e)}") from None
+                                f"{one_line(e)}") from None
     except MemoryError:
         raise ChatTemplateError("the chat template ran out of memory") from None
     except (TemplateError, TypeError, ValueError, LookupError, AttributeError,
             ArithmeticError, RuntimeError, AssertionError) as e:  # (truncate asserts)
         raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: "
-                                f"{_one_line(e)}") from None
+                                f"{one_line(e)}") from None
     return "".join(pieces)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from tinyrt.errors import ModelFormatError, rust_panic
 from tinyrt.paths import (MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, read_bytes, read_json, read_text,
-                          shown, stat_or_none)
+                          shown_path, stat_or_none)
 
 
 def _read_json(path: Path) -> dict:
@@ -146,7 +146,7 @@ class HFTokenizer(Tokenizer):
         """`path`: a tokenizer.json, or a `tokenizers.Tokenizer` built already."""
         from tokenizers import Tokenizer as _Tok
 
-        self.where = "the GGUF file's tokenizer" if isinstance(path, _Tok) else shown(path)
+        self.where = "the GGUF file's tokenizer" if isinstance(path, _Tok) else shown_path(path)
         if isinstance(path, _Tok):
             self.tok = path
         else:
@@ -279,7 +279,7 @@ def tokenizer_config(directory: str | Path) -> dict:
         bad = [k for k in added if not (k.isascii() and k.isdigit() and len(k) < 10)] \
             if isinstance(added, dict) else [added]
         if bad:
-            raise ModelFormatError(f"{shown(path)}: added_tokens_decoder must map token ids to "
+            raise ModelFormatError(f"{shown_path(path)}: added_tokens_decoder must map token ids to "
                                    f"tokens, not {str(bad[0])[:40]!r}")
     for key, value in _read_json(directory / "special_tokens_map.json").items():
         config.setdefault(key, value)

@@ -204,7 +204,7 @@ def _activation_buffers(rows, n_in, group):
 @njit(fastmath=True, cache=True)
 def _tile_dots(w, k, xp, sx, xsum, t, out, m):
     """simd's tile_dot of w's code width for the m tokens t .. t+m-1 (m = GEMM_TOKENS,
-    FEW_TOKENS, 2 or 1)."""
+    FEW_TOKENS, 2 or 1). Spelled out: intrinsics are not values Numba can put in a table."""
     if m == simd.GEMM_TOKENS:
         if w.bits == 4:
             simd.gemm_dot4(w, k, xp, sx, xsum, t, out)
