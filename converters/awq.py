@@ -35,7 +35,7 @@ from tinyrt.kernels import reference as ops
 from tinyrt.models import Layer, model_class
 from tinyrt.models.config import ModelConfig
 from tinyrt.models.llama import LINEARS, NORMS
-from tinyrt.models.rope import rope_inv_freq
+from tinyrt.models.rope import per_layer, rope_inv_freq
 
 from .quantize import fake_quantize, pack_linear
 
@@ -236,14 +236,15 @@ def quantize_model(cfg: ModelConfig, get: Callable[[str], np.ndarray], calib: np
     """Yield (layer prefix, tensors) for each decoder layer: its float tensors (norms, biases;
     float32) and each linear's qweight/qzeros/scales. `get(name)` returns a float source tensor
     (HF name and layout); `calib` [N, T] token ids (AWQ only)."""
-    x = cos = sin = None
+    x, tables = None, [(None, None)] * cfg.num_hidden_layers
     if opts.method == "awq":
         x = get("model.embed_tokens.weight")[calib].astype(np.float32)      # [N, T, H]
-        cos, sin = ops.rope_tables(rope_inv_freq(cfg), np.arange(calib.shape[1]))
+        tables = per_layer([cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)],
+                           *ops.rope_tables(rope_inv_freq(cfg), np.arange(calib.shape[1])))
     float_cfg = dataclasses.replace(cfg, quantization_config=None)
     names = list(model_class(cfg).expected_shapes(float_cfg))
     linears = {n + ".weight" for n in model_class(cfg).linear_shapes(cfg)}
-    for i in range(cfg.num_hidden_layers):
+    for i, (cos, sin) in enumerate(tables):
         p = f"model.layers.{i}."
         layer = [n for n in names if n.startswith(p)]
         if x is None:        # RTN: one tensor in memory at a time, whatever the model's size

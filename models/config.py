@@ -77,12 +77,12 @@ _WHAT = {"int": "an integer", "ints": "an integer or a list of integers", "numbe
 _KINDS = {**dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "num_key_value_heads", "head_dim",
                            "max_position_embeddings", "sliding_window", "bos_token_id",
-                           "pad_token_id"), "int"),
+                           "pad_token_id", "no_rope_layer_interval"), "int"),
           **dict.fromkeys(("rms_norm_eps", "rope_theta"), "number"),
           **dict.fromkeys(("model_type", "hidden_act", "torch_dtype"), "str"),
           **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), "bool"),
           **dict.fromkeys(("rope_scaling", "quantization_config"), "object"),
-          "eos_token_id": "ints", "architectures": "strs"}
+          "eos_token_id": "ints", "no_rope_layers": "ints", "architectures": "strs"}
 _QUANT_KINDS = {"quant_method": "str", "bits": "int", "group_size": "int", "zero_point": "bool",
                 "version": "str"}
 
@@ -118,6 +118,10 @@ class ModelConfig:
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # layers that attend without positions (NoPE: no RoPE on q and k): those whose entry of
+    # no_rope_layers is 0, or (without it) every no_rope_layer_interval-th
+    no_rope_layers: list[int] | None = None
+    no_rope_layer_interval: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
     bos_token_id: int | None = None
@@ -193,6 +197,15 @@ class ModelConfig:
             for v in self.eos_token_ids if name == "eos_token_id" else (getattr(self, name),):
                 if v is not None and not -INT_MAX - 1 <= v <= INT_MAX:
                     raise fail(f"{name} {_shown(v)} is not a token id")
+        if self.no_rope_layers is not None and (
+                not isinstance(self.no_rope_layers, list)
+                or len(self.no_rope_layers) < self.num_hidden_layers
+                or any(v not in (0, 1) for v in self.no_rope_layers)):
+            raise fail(f"no_rope_layers must hold a 0 or 1 for each of the "
+                       f"{self.num_hidden_layers} layers")
+        if self.no_rope_layer_interval is not None and not 0 < self.no_rope_layer_interval <= INT_MAX:
+            raise fail(f"no_rope_layer_interval must be between 1 and {INT_MAX}, "
+                       f"got {_shown(self.no_rope_layer_interval)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise fail(f"num_attention_heads ({self.num_attention_heads}) is not a "
                        f"multiple of num_key_value_heads ({self.num_key_value_heads})")
@@ -240,6 +253,13 @@ class ModelConfig:
         if not self.rope_scaling:
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates its q and k by position (False: a NoPE layer)."""
+        if self.no_rope_layers is not None:
+            return bool(self.no_rope_layers[layer])
+        n = self.no_rope_layer_interval
+        return n is None or (layer + 1) % n != 0
 
     @property
     def n_rep(self) -> int:

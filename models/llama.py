@@ -18,7 +18,7 @@ from tinyrt.errors import ModelFormatError
 from tinyrt.kernels import QuantWeight, awq_layout
 
 from .base import Family
-from .rope import rope_inv_freq
+from .rope import per_layer, rope_inv_freq
 from .weights import ModelWeights, release_pages
 
 if TYPE_CHECKING:          # (config.py imports the families, this one among them)
@@ -36,6 +36,8 @@ class Layer:
     gate_up: Any         # fused gate|up projection: H -> 2*I
     down: Any            # I -> H
     qkv_bias: Any = None  # [Q*D + 2*G*D] (a family with q/k/v biases), else None
+    q_norm: Any = None   # [D]: an RMSNorm over each query head before RoPE (Qwen3), else None
+    k_norm: Any = None   # [D]: the same over each key head
 
 
 # A model whose values overflow runs on to NaN or inf logits, which the sampler (or perplexity)
@@ -45,6 +47,7 @@ _QUIET = {"over": "ignore", "invalid": "ignore", "divide": "ignore"}
 # The tensor names, defined once. A layer's tensors, under `model.layers.N.` (HF) and `blk.N.`
 # (GGUF): Layer field -> HF names it is made of (a fused projection lists its parts in order).
 NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}      # [head_dim] each
 LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
            "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
            "down": ("mlp.down_proj",)}
@@ -52,7 +55,8 @@ LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
 GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
                "lm_head": "output"}
 
@@ -66,6 +70,7 @@ class LlamaModel:
     logits [T, V] (or [1, V] for the last token only)."""
 
     qkv_bias = False      # whether q, k and v have biases (Qwen2)
+    qk_norm = False       # whether each head's q and k are RMS-normed before RoPE (Qwen3)
     # whether `layer` is this pre-norm GQA / SwiGLU layer, the one a backend's decode_layer
     # fuses: a family that overrides the math says no
     fusable = True
@@ -91,6 +96,8 @@ class LlamaModel:
         for i in range(cfg.num_hidden_layers):
             for n in NORMS.values():
                 shapes[f"model.layers.{i}.{n}.weight"] = (H,)
+            for n in QK_NORMS.values() if cls.qk_norm else ():
+                shapes[f"model.layers.{i}.{n}.weight"] = (cfg.head_dim,)
         q = cfg.quant
         for name, (out, inp) in cls.linear_shapes(cfg).items():
             if cls.qkv_bias and name.split(".", 3)[3] in LINEARS["qkv"]:
@@ -115,7 +122,8 @@ class LlamaModel:
         if cls.qkv_bias:
             bias = backend.prepare_vector(np.concatenate(
                 [np.asarray(tensor(p + n + ".bias"), np.float32) for n in LINEARS["qkv"]]))
-        return Layer(**{f: backend.prepare_vector(tensor(p + n + ".weight")) for f, n in NORMS.items()},
+        norms = {**NORMS, **(QK_NORMS if cls.qk_norm else {})}
+        return Layer(**{f: backend.prepare_vector(tensor(p + n + ".weight")) for f, n in norms.items()},
                      **{f: backend.prepare_linear([linear(p + n) for n in parts])
                         for f, parts in LINEARS.items()}, qkv_bias=bias)
 
@@ -136,6 +144,7 @@ class LlamaModel:
             self.layers.append(self.make_layer(i, be, weights.tensor, weights.linear))
             weights.release()
         self.inv_freq = rope_inv_freq(cfg)
+        self.rope_layers = [cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)]
         self.scale = cfg.head_dim ** -0.5
 
     @staticmethod
@@ -158,8 +167,12 @@ class LlamaModel:
         qkv = be.linear(h, L.qkv)                                          # [T, (Q+2G)*D]
         if L.qkv_bias is not None:
             qkv = qkv + L.qkv_bias
-        q = be.rope(qkv[..., :Q * D].reshape(*lead, Q, D), cos, sin)
-        k = be.rope(qkv[..., Q * D:(Q + G) * D].reshape(*lead, G, D), cos, sin)
+        q, k = qkv[..., :Q * D], qkv[..., Q * D:(Q + G) * D]
+        if L.q_norm is not None:                  # per head: rows of D
+            q = be.rmsnorm(q.reshape(-1, D), L.q_norm, cfg.rms_norm_eps)
+            k = be.rmsnorm(k.reshape(-1, D), L.k_norm, cfg.rms_norm_eps)
+        q = be.rope(q.reshape(*lead, Q, D), cos, sin)
+        k = be.rope(k.reshape(*lead, G, D), cos, sin)
         v = qkv[..., (Q + G) * D:].reshape(*lead, G, D)
         return be.linear(attend(q, k, v).reshape(*lead, Q * D), L.o)
 
@@ -217,21 +230,22 @@ class LlamaModel:
         # a table used as stored, mapped from the file, is read a few rows per token: its rows
         # leave the resident set at once, or RSS would creep up as new tokens appear
         release_pages(self.embed)
-        for i, L in enumerate(self.layers):
+        for i, (L, (c, s)) in enumerate(zip(self.layers, per_layer(self.rope_layers, cos, sin))):
             kv = cache.layer(i)
             if self.fusable and be.fused_decode(L, len(tokens)):   # its ops in one call
-                x = be.decode_layer(x, L, kv, pos, cos, sin, cfg)
+                x = be.decode_layer(x, L, kv, pos, c, s, cfg)
             else:
-                x = self.layer(be, cfg, L, x, cos, sin, self._attend(kv, pos))
+                x = self.layer(be, cfg, L, x, c, s, self._attend(kv, pos))
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
+
 
     def decode_layers(self, x, cos, sin, attends: list[Attend]):
         """Embedded tokens x [T, H] through every layer (layer i attending with attends[i]) and
         the final norm -> [T, H]: the step tinyrt.device_decode runs on the device, its cache
         bookkeeping its own."""
         cfg, be = self.config, self.backend
-        for L, attend in zip(self.layers, attends):
-            x = self.layer(be, cfg, L, x, cos, sin, attend)
+        for L, attend, (c, s) in zip(self.layers, attends, per_layer(self.rope_layers, cos, sin)):
+            x = self.layer(be, cfg, L, x, c, s, attend)
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
 
     def _attend(self, kv, pos) -> Attend:

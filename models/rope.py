@@ -1,4 +1,5 @@
-"""Rotary position embedding frequencies from the config (default, linear and llama3 scaling)."""
+"""Rotary position embedding frequencies from the config (default, linear and llama3 scaling),
+and which layers use them."""
 
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
                        np.where(wavelen > old / lo, inv / factor,
                                 (1 - smooth) * inv / factor + smooth * inv))
     return inv
+
+
+def per_layer(uses_rope: list[bool], cos, sin) -> list:
+    """Each layer's RoPE tables: the position's, or for a NoPE layer (uses_rope False) tables
+    that rotate nothing (cos 1, sin 0: x * 1 - y * 0 is x exactly, so the same kernels serve
+    both). NumPy arrays or device tensors alike."""
+    if all(uses_rope):
+        return [(cos, sin)] * len(uses_rope)
+    identity = (cos * 0 + 1, sin * 0)
+    return [(cos, sin) if r else identity for r in uses_rope]

@@ -79,6 +79,8 @@ def random_weights(cfg: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.n
         if cfg.get("model_type") == "qwen2":          # its q, k, v have biases
             w.update({p + f"self_attn.{n}_proj.bias": (0.5 * rng.standard_normal(o)).astype(dtype)
                       for n, o in (("q", Q * D), ("k", G * D), ("v", G * D))})
+        if cfg.get("model_type") == "qwen3":          # each head's q and k RMS-normed
+            w.update({p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D)})
     return w
 
 

@@ -140,7 +140,7 @@ def test_scale_search_never_loses_to_plain_rounding():
         output_mse(lambda W: few @ W[0].T, few @ w.T)(W2), rel=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("kv_heads", [6, 2, 1])                # GQA ratios 1, 3, 6
 def test_folded_scales_keep_the_float_layer(kv_heads, family):
     """Scales folded into norms and producing linears leave the float layer's function unchanged:

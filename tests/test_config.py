@@ -118,6 +118,15 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
                                           "2147483647, got an integer of 1329 bits"),
     ({"eos_token_id": [2, 10**30]}, "eos_token_id an integer of 100 bits is not a token id"),
     ({"sliding_window": 0, "model_type": "mistral"}, "sliding_window must be between 1"),
+    ({"model_type": "smollm3", "no_rope_layers": [1]}, "no_rope_layers must hold a 0 or 1 for "
+     "each of the 2 layers"),
+    ({"model_type": "smollm3", "no_rope_layers": [1, 2]}, "no_rope_layers must hold a 0 or 1"),
+    ({"model_type": "smollm3", "no_rope_layers": "1,0"}, "no_rope_layers must be an integer or "
+     "a list of integers"),
+    ({"model_type": "smollm3", "no_rope_layer_interval": 0}, "no_rope_layer_interval must be "
+     "between 1"),
+    ({"model_type": "smollm3", "use_sliding_window": True}, "SmolLM3 with use_sliding_window is "
+     "not supported"),
 ])
 def test_numbers_out_of_range_are_refused(change, words):
     with pytest.raises(ModelFormatError) as e:

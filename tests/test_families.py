@@ -1,6 +1,6 @@
 """Every model family of models.FAMILIES against transformers' own implementation: tiny random
-models built by transformers from a config (Llama, and Qwen2 with its q/k/v biases, tied and
-untied), their logits and greedy tokens on the CPU and reference devices, dense and sink caches,
+models built by transformers from a config (Llama; Qwen2 with its q/k/v biases; Qwen3 with its
+per-head q/k norms; SmolLM3 with a NoPE layer; tied and untied), their logits and greedy tokens on the CPU and reference devices, dense and sink caches,
 float and 4-bit (4-bit against transformers running the dequantized weights)."""
 
 import json
@@ -25,8 +25,16 @@ CONFIGS = {
         **SIZES, rope_theta=10000.0, tie_word_embeddings=tied),
     "qwen2": lambda tied: __import__("transformers").Qwen2Config(
         **SIZES, rope_theta=1000000.0, tie_word_embeddings=tied),
+    # a head dim that is not hidden / heads (as Qwen3's 0.6B, 4B, 8B ... have)
+    "qwen3": lambda tied: __import__("transformers").Qwen3Config(
+        **SIZES, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=tied),
+    # four layers: the fourth is a NoPE layer (HF's default)
+    "smollm3": lambda tied: __import__("transformers").SmolLM3Config(
+        **{**SIZES, "num_hidden_layers": 4}, rope_theta=50000.0, tie_word_embeddings=tied,
+        pad_token_id=0),
 }
-FAMILY_CASES = [("llama", False), ("qwen2", True), ("qwen2", False)]
+FAMILY_CASES = [("llama", False), ("qwen2", True), ("qwen2", False), ("qwen3", True),
+                ("qwen3", False), ("smollm3", True)]
 
 
 def test_every_family_is_tested_here():
@@ -163,6 +171,35 @@ def test_qwen2_gguf_runs_as_transformers(tmp_path):
     llm = tinyrt.LLM(out, device="reference", kv_type="f32")
     got = llm.model.forward(ids, llm.cache, all_logits=True)
     assert rel_err(got, hf_logits(hf_model(d), ids)) < 1e-5
+
+
+# the pre-tokenizer name each family's real vocabulary has in llama.cpp (the tests' own tokenizer
+# is written under it; the logits below are compared on token ids)
+LLAMA_CPP_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "smollm3": "llama-bpe"}
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("family", LLAMA_CPP_PRE)
+def test_llama_cpp_s_own_gguf_runs_as_transformers(tmp_path, family, outtype):
+    """The GGUF that llama.cpp's own converter (convert_hf_to_gguf.py) writes of a family's model,
+    its metadata keys and tensor layout as llama.cpp has them (Q/K rows permuted or not), float32
+    or Q8_0 by its own quantizer, gives transformers' logits on the cpu and reference devices:
+    within 1e-4 from float32; from Q8_0 within 8-bit rounding, and the two devices alike."""
+    from llama_cpp_files import convert_with_llama_cpp
+
+    d = write_hf_model(tmp_path / "hf", family, False, seed=int(rng.integers(1 << 30)))
+    gguf = convert_with_llama_cpp(d, tmp_path / f"m-{outtype}.gguf", outtype,
+                                  pre=LLAMA_CPP_PRE[family])
+    ids = rng.integers(3, SIZES["vocab_size"], 40)
+    want = hf_logits(hf_model(d), ids)
+    got = {}
+    for device in ("cpu", "reference"):
+        llm = tinyrt.LLM(gguf, device=device, kv_type="f32")
+        assert llm.model.config.model_type == family
+        got[device] = llm.model.backend.to_numpy(llm.model.forward(ids, llm.cache,
+                                                                   all_logits=True))
+        assert rel_err(got[device], want) < (1e-4 if outtype == "f32" else 3e-2), device
+    assert rel_err(got["cpu"], got["reference"]) < 1e-4
 
 
 # Qwen2.5-Instruct's chat template as its tokenizer_config.json ships it (tools, tool calls, a

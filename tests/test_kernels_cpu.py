@@ -421,7 +421,9 @@ def test_fused_layers_give_each_of_a_few_tokens_its_one_token_result(tmp_path, p
 
 FUSED_CASES = {"llama": (4, 2, None, "dense"), "llama-mha": (8, 8, None, "dense"),
                "mistral": (8, 2, 5, "dense"), "llama-h2o": (4, 2, None, "h2o"),
-               "qwen2": (4, 2, None, "dense"), "qwen2-h2o": (8, 2, None, "h2o")}
+               "qwen2": (4, 2, None, "dense"), "qwen2-h2o": (8, 2, None, "h2o"),
+               "qwen3": (4, 2, None, "dense"), "smollm3": (4, 2, None, "dense")}
+FAMILY_OVER = {"smollm3": {"no_rope_layers": [1, 0]}}       # its second layer a NoPE layer
 
 
 def test_the_fused_layer_is_checked_for_every_family():
@@ -435,7 +437,8 @@ def test_fused_decode_layer_equals_the_ops(tmp_path, case):
     biases; an h2o cache, its scores and evictions too)."""
     heads, kv_heads, window, policy = FUSED_CASES[case]
     family = case.split("-")[0]
-    over = dict(model_type=family, architectures=[FAMILIES[family].architecture])
+    over = dict(model_type=family, architectures=[FAMILIES[family].architecture],
+                **FAMILY_OVER.get(family, {}))
     if window:
         over["sliding_window"] = window
     _, q = tiny_models(tmp_path, heads, kv_heads, **over)

@@ -396,12 +396,15 @@ for f in (t.float16, t.float32):
     assert out.split() == ["1", "0", "1", "0"] * 2, out
 
 
-@pytest.mark.parametrize("policy, kind", [("dense", "float"), ("sink", "4-bit"), ("h2o", "4-bit")])
-def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind):
+@pytest.mark.parametrize("policy, kind, family", [
+    ("dense", "float", "llama"), ("sink", "4-bit", "llama"), ("h2o", "4-bit", "llama"),
+    ("dense", "float", "qwen3"), ("sink", "4-bit", "smollm3")])
+def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind, family):
     """The whole decoder on the CUDA backend (a prompt, then decode steps) gives the reference
     backend's logits step by step; a cache of 6 slots (1 sink) makes sink and h2o evict. The
     CUDA backend keeps float weights (and the 4-bit model's head) as float16: a relative error
-    of a few 1e-4 on the logits."""
+    of a few 1e-4 on the logits. Qwen3's per-head q/k norms; SmolLM3's NoPE layer (the second
+    of two)."""
     from helpers import tiny_config, write_tiny_model
 
     from tinyrt.converters import convert
@@ -410,8 +413,13 @@ def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind):
     from tinyrt.models import load_model
 
     # (the simulator runs a CUDA thread as a Python thread: a model of a few thousand weights)
-    d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=32, intermediate_size=64,
-                                                     num_attention_heads=4, num_hidden_layers=1))
+    from tinyrt.models import FAMILIES
+
+    over = {"smollm3": dict(num_hidden_layers=2, no_rope_layers=[1, 0])}.get(family, {})
+    d = write_tiny_model(tmp_path / "m", tiny_config(**{
+        "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 1, "model_type": family,
+        "architectures": [FAMILIES[family].architecture], **over}))
     if kind == "4-bit":
         d = convert(d, tmp_path / "q", method="rtn", group_size=32)
     fast, slow = (load_model(d, get_backend(dev)) for dev in ("cuda", "reference"))

@@ -35,6 +35,10 @@ for _names, _splits in [
     for _n in _names:
         PRE_TOKENIZERS[_n] = _splits
 
+# pre-tokenizers whose BPE takes a whole pre-token found in the vocabulary as one token, without
+# merging (llama.cpp's ignore_merges; HF's tokenizer.json says "ignore_merges": true)
+IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"}
+
 CONTROL, USER_DEFINED = 3, 4
 
 
@@ -96,8 +100,10 @@ def _build_tokenizer(meta: dict[str, Any]):
     vocab = {t: i for i, t in enumerate(tokens)}
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta.get("merges") or []]
-        tok = Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer, tok.decoder = _byte_level(meta.get("pre") or "default")
+        pre = meta.get("pre") or "default"
+        tok = Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False,
+                            ignore_merges=pre in IGNORE_MERGES))
+        tok.pre_tokenizer, tok.decoder = _byte_level(pre)
         add_bos_default = False
     elif kind == "llama":
         scores = [float(s) for s in (meta.get("scores") or [0.0] * len(tokens))]

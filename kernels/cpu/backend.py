@@ -167,9 +167,10 @@ class CpuBackend(reference.ReferenceBackend):
         cache layer `kv` (kv_cache.LayerView), for a model of config `cfg` (the kernel
         decode_layer)."""
         x = np.array(x, np.float32)
-        bias = _NO_SCALES if layer.qkv_bias is None else layer.qkv_bias
+        bias, q_norm, k_norm = (_NO_SCALES if w is None else w
+                                for w in (layer.qkv_bias, layer.q_norm, layer.k_norm))
         weights = (x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), layer.qkv,
-                   bias, layer.o, layer.gate_up, layer.down)
+                   bias, q_norm, k_norm, layer.o, layer.gate_up, layer.down)
         rest = (kv.slots, np.ascontiguousarray(pos, np.int64), kv.k_pos, _scores(kv.score), cos,
                 sin, cfg.num_attention_heads, np.float32(cfg.head_dim ** -0.5),
                 cfg.sliding_window or 0, self.threads)

@@ -13,8 +13,9 @@ from .ops import swiglu_row, rmsnorm, rope
 
 
 @njit(fastmath=True, cache=True)
-def _layer_qkv(x, in_norm, eps, qkv, qkv_b, cos, sin, n_heads, G, D, threads):
-    """decode_layer's first part: the tokens' q [T, Q, D], k and v [T, G, D], RoPE applied."""
+def _layer_qkv(x, in_norm, eps, qkv, qkv_b, q_norm, k_norm, cos, sin, n_heads, G, D, threads):
+    """decode_layer's first part: the tokens' q [T, Q, D], k and v [T, G, D], each head's q and
+    k RMS-normed where q_norm, k_norm [D] are not empty, RoPE applied."""
     T = x.shape[0]
     Qd, Gd = n_heads * D, G * D
     qkv_out = np.empty((T, Qd + 2 * Gd), np.float32)
@@ -22,8 +23,12 @@ def _layer_qkv(x, in_norm, eps, qkv, qkv_b, cos, sin, n_heads, G, D, threads):
     if qkv_b.shape[0]:
         for t in range(T):
             qkv_out[t] += qkv_b
-    q = rope(np.ascontiguousarray(qkv_out[:, :Qd]).reshape(T, n_heads, D), cos, sin)
-    k = rope(np.ascontiguousarray(qkv_out[:, Qd:Qd + Gd]).reshape(T, G, D), cos, sin)
+    q = np.ascontiguousarray(qkv_out[:, :Qd]).reshape(T * n_heads, D)
+    k = np.ascontiguousarray(qkv_out[:, Qd:Qd + Gd]).reshape(T * G, D)
+    if q_norm.shape[0]:
+        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
+    q = rope(q.reshape(T, n_heads, D), cos, sin)
+    k = rope(k.reshape(T, G, D), cos, sin)
     return q, k, np.ascontiguousarray(qkv_out[:, Qd + Gd:]).reshape(T, G, D)
 
 
@@ -45,30 +50,30 @@ def _layer_rest(x, a, post_norm, eps, o, gate_up, down, threads):
 
 
 @njit(fastmath=True, cache=True)
-def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
+def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, q_norm, k_norm, o, gate_up, down,
                  k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
     """A few tokens x [T, H] (a decode step, a draft's verification) through one decoder layer
     of quantized linears (QLinear: qkv, o, gate_up, down), in place; their K/V go to `slots`
     [G, T] of the cache buffers k_buf, v_buf [G, S, D] (k_pos [G, S] already holds their
     positions `pos` [T]; score as for attention_decode); qkv_b [(Q+2G)*D] the q/k/v biases, or
-    empty: none. The ops of the model file's layer (models.llama LlamaModel.layer) in a single
+    empty: none; q_norm, k_norm [D] the per-head norms of q and k, or empty: none. The ops of the model file's layer (models.llama LlamaModel.layer) in a single
     call, so the costs of a call from Python are paid once per layer; each token's result is
     the one it gets alone, to the bit."""
-    q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, cos, sin, n_heads, k_buf.shape[0],
-                         k_buf.shape[2], threads)
+    q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, q_norm, k_norm, cos, sin, n_heads,
+                         k_buf.shape[0], k_buf.shape[2], threads)
     store_kv(k_buf, v_buf, slots, k, v)
     a = attention_decode(q, k_buf, v_buf, pos, k_pos, scale, window, threads, score)
     _layer_rest(x, a, post_norm, eps, o, gate_up, down, threads)
 
 
 @njit(fastmath=True, cache=True)
-def decode_layer_q(x, in_norm, post_norm, eps, qkv, qkv_b, o, gate_up, down,
+def decode_layer_q(x, in_norm, post_norm, eps, qkv, qkv_b, q_norm, k_norm, o, gate_up, down,
                    kc, ks, vc, vs, fk, fv, where, owner, stamp, pin,
                    slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
     """decode_layer over a quantized cache (kernels.kv_quant's arrays, float16 ones as uint16
     bits)."""
-    q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, cos, sin, n_heads, where.shape[0],
-                         fk.shape[3], threads)
+    q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, q_norm, k_norm, cos, sin, n_heads,
+                         where.shape[0], fk.shape[3], threads)
     kv.store_kv(kc, ks, vc, vs, fk, fv, where, owner, stamp, pin, slots, k, v)
     a = attention_decode_q(q, kc, ks, vc, vs, fk, fv, where, pos, k_pos, scale, window, threads,
                            score)
