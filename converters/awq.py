@@ -91,7 +91,7 @@ def causal_attend(cfg: ModelConfig) -> Callable:
 
 def make_layer(cfg: ModelConfig, w: Weights, i: int) -> Layer:
     """The model's Layer i of float32 weights `w` (full HF names)."""
-    return model_class(cfg).make_layer(i, OPS, w.__getitem__, lambda n: w[n + ".weight"])
+    return model_class(cfg).make_layer(cfg, i, OPS, w.__getitem__, lambda n: w[n + ".weight"])
 
 
 def layer_forward(cfg: ModelConfig, x: np.ndarray, w: Weights, i: int, cos, sin) -> np.ndarray:

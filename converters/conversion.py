@@ -231,6 +231,10 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
                "usually costs quality (the default model's Q4_1 file loses several points of "
                f"perplexity); tinyrt runs the GGUF as it is: tinyrt chat {source.path}")
     cfg = ModelConfig.from_dict(source.config)
+    if method == "awq" and len(cfg.family.model.linears["qkv"]) != 3:
+        raise TinyrtError(f"--method awq: the AWQ search of {cfg.model_type} models (their q, k "
+                          "and v one fused projection) is not written yet; --method rtn "
+                          "converts them")
     names = check_tensors(source, cfg)
     np_dtype = FLOAT_DTYPES[dtype]
     config = {k: v for k, v in source.config.items() if k != "quantization_config"}

@@ -77,6 +77,12 @@ class QuantWeight(NamedTuple):
     def nbytes(self) -> int:
         return self.codes.nbytes + sum(a.nbytes for a in self.arrays)
 
+    def scaled_rows(self, factor: np.ndarray) -> QuantWeight:
+        """The layer with output row o times factor[o] (its scales and offsets scaled)."""
+        f = np.asarray(factor, np.float32)[:, None]
+        times = (lambda a: None if a is None else _float(a.astype(np.float32) * f))
+        return self._replace(scale=times(self.scale), offset=times(self.offset))
+
     def rows(self, index) -> QuantWeight:
         """The output rows `index` (a slice or an index array) of the layer."""
         pick = (lambda a: None if a is None else np.ascontiguousarray(a[index]))

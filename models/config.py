@@ -12,7 +12,7 @@ from tinyrt.errors import ModelFormatError
 
 from .families import family
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # The largest size or token id a config may name: no real model comes near it, and beyond it the
 # runtime's int32 token ids and positions (and NumPy's shapes) would overflow. Whether the weights
 # hold what the config names is checked against the file (ModelWeights.check_shapes).
@@ -77,8 +77,9 @@ _WHAT = {"int": "an integer", "ints": "an integer or a list of integers", "numbe
 _KINDS = {**dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "num_key_value_heads", "head_dim",
                            "max_position_embeddings", "sliding_window", "bos_token_id",
-                           "pad_token_id", "no_rope_layer_interval"), "int"),
-          **dict.fromkeys(("rms_norm_eps", "rope_theta"), "number"),
+                           "pad_token_id", "no_rope_layer_interval",
+                           "original_max_position_embeddings"), "int"),
+          **dict.fromkeys(("rms_norm_eps", "rope_theta", "partial_rotary_factor"), "number"),
           **dict.fromkeys(("model_type", "hidden_act", "torch_dtype"), "str"),
           **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), "bool"),
           **dict.fromkeys(("rope_scaling", "quantization_config"), "object"),
@@ -116,6 +117,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    # the share of each head's dims that RoPE rotates (its first ones; Phi-3, Phi-4-mini)
+    partial_rotary_factor: float | None = None
+    original_max_position_embeddings: int | None = None    # (longrope: the context it extends)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     # layers that attend without positions (NoPE: no RoPE on q and k): those whose entry of
@@ -154,6 +158,9 @@ class ModelConfig:
         params = d.pop("rope_parameters", None)
         if isinstance(params, dict):
             d.setdefault("rope_theta", params.get("rope_theta", 10000.0))
+            for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+                if key in params:
+                    d.setdefault(key, params[key])
             if params.get("rope_type", "default") != "default" and d.get("rope_scaling") is None:
                 d["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
         if "dtype" in d and "torch_dtype" not in d:
@@ -187,7 +194,8 @@ class ModelConfig:
         self.family                           # a clear error for a family tinyrt does not run
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings", "sliding_window"):
+                     "max_position_embeddings", "sliding_window",
+                     "original_max_position_embeddings"):
             v = getattr(self, name)
             if v is not None and not 0 < v <= INT_MAX:
                 raise fail(f"{name} must be between 1 and {INT_MAX}, got {_shown(v)}")
@@ -211,6 +219,12 @@ class ModelConfig:
                        f"multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise fail(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.partial_rotary_factor is not None and _check_number(
+                "partial_rotary_factor", self.partial_rotary_factor, 0) > 1:
+            raise fail(f"partial_rotary_factor must be at most 1, got {self.partial_rotary_factor}")
+        if self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise fail(f"partial_rotary_factor {self.partial_rotary_factor} rotates "
+                       f"{self.rotary_dim} of head_dim {self.head_dim}: not an even number above 0")
         if self.hidden_act != "silu":
             raise fail(f"unsupported activation {self.hidden_act!r} (only silu)")
         if self.attention_bias or self.mlp_bias:
@@ -243,6 +257,21 @@ class ModelConfig:
                 _check_number("rope_scaling.original_max_position_embeddings",
                               s.get("original_max_position_embeddings"), 1, INT_MAX + 1,
                               low_ok=True)
+            if kind == "longrope":
+                # a divisor per rotated frequency, for contexts up to and past the original one
+                for name in ("short_factor", "long_factor"):
+                    v = s.get(name)
+                    if not isinstance(v, list) or len(v) != self.rotary_dim // 2:
+                        raise fail(f"rope_scaling.{name} must be a list of {self.rotary_dim // 2} "
+                                   f"numbers (one per rotated frequency)")
+                    for x in v:
+                        _check_number(f"rope_scaling.{name}", x, 0, MAX_ROPE_FACTOR)
+                _check_number("original_max_position_embeddings (longrope)",
+                              self.longrope_original, 1, INT_MAX + 1)
+                for name in ("factor", "attention_factor"):
+                    if s.get(name) is not None:
+                        _check_number(f"rope_scaling.{name} (longrope)", s[name], 0,
+                                      MAX_ROPE_FACTOR)
         if self.quantization_config is not None:
             self.quant  # validates
 
@@ -253,6 +282,18 @@ class ModelConfig:
         if not self.rope_scaling:
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (its first ones)."""
+        f = self.partial_rotary_factor
+        return self.head_dim if f is None else int(self.head_dim * f)
+
+    @property
+    def longrope_original(self) -> int | None:
+        """longrope's original context: past it, the long factors apply."""
+        s = self.rope_scaling or {}
+        return s.get("original_max_position_embeddings", self.original_max_position_embeddings)
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates its q and k by position (False: a NoPE layer)."""

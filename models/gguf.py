@@ -31,15 +31,15 @@ from tinyrt.models.config import ModelConfig
 from tinyrt.models.families import gguf_family
 from tinyrt.models.gguf_quants import (FLOAT_FIELDS, FORMS, GGUF_TO_QUANT, finite_scales,
                                        to_quant)
-from tinyrt.models.llama import GGUF_GLOBAL, GGUF_LAYER
+from tinyrt.models.llama import GGUF_GLOBAL
 from tinyrt.models.weights import ModelWeights, all_finite, held_layers, release_pages
 from tinyrt.paths import open_regular
 
 Q = GGMLQuantizationType
 V = GGUFValueType
 
-# GGUF name -> HF name, from the one table of tensor names (models.llama)
-_LAYER_NAMES = {g: hf for hf, g in GGUF_LAYER.items()}
+# GGUF name -> HF name, from the one table of tensor names (models.llama; a family's own, for a
+# layer's modules)
 _GLOBAL_NAMES = {g: hf for hf, g in GGUF_GLOBAL.items()}
 
 MAX_DIMS = 4            # GGML_MAX_DIMS
@@ -56,14 +56,15 @@ _SCALAR = {t: struct.Struct(f) for t, (f, _) in _NUMBERS.items()}
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 
-def hf_name(name: str) -> str | None:
-    """HF tensor name for a GGUF tensor name, or None for tensors we do not carry over."""
+def hf_name(name: str, layer_names: dict[str, str]) -> str | None:
+    """HF tensor name for a GGUF tensor name (a layer's module names: llama.cpp's -> HF's, of
+    the file's family), or None for tensors we do not carry over."""
     module, _, kind = name.rpartition(".")
     if module in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[module]}.{kind}"
     parts = module.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
     return None
 
 
@@ -302,7 +303,6 @@ class GGUFFile:
             if msg.startswith("truncated"):
                 raise ModelFormatError(f"{self.path} is truncated ({msg[len('truncated: '):]})") from None
             raise ModelFormatError(f"{self.path} is not a readable GGUF file ({msg})") from None
-        self._gguf_names = {hf_name(n): n for n in self.tensors if hf_name(n)}
         self.arch = self.get("general.architecture")
         if not isinstance(self.arch, str):
             raise ModelFormatError(f"{self.path}: metadata general.architecture is missing or "
@@ -311,6 +311,8 @@ class GGUFFile:
             self.family = gguf_family(self.arch)
         except ModelFormatError as e:
             raise ModelFormatError(f"{self.path}: {e}") from None
+        self._layer_names = {g: hf for hf, g in self.family.model.gguf_layer.items()}
+        self._gguf_names = {h: n for n in self.tensors if (h := hf_name(n, self._layer_names))}
 
     def drop_arrays(self, prefix: str) -> None:
         """Forget the array values of the metadata keys that start with `prefix` (the memory
@@ -370,9 +372,6 @@ class GGUFFile:
                                    f"but the file holds tensors of {held} layers")
         head_dim = self._int("attention.key_length", hidden // max(heads, 1))
         rot = self._int("rope.dimension_count")
-        if rot is not None and rot != head_dim:
-            raise ModelFormatError(f"{self.path}: partial rotary embeddings ({rot} of {head_dim}) "
-                                   "are not supported")
         tokens = self.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if isinstance(tokens, list) and tokens else self._int("vocab_size")
         if "token_embd.weight" in self.tensors:
@@ -401,9 +400,13 @@ class GGUFFile:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
+        if rot is not None and rot != head_dim:       # (a share that gives back rot exactly)
+            cfg["partial_rotary_factor"] = rot / head_dim
         window = self._int("attention.sliding_window")
         if window and self.family.model_type in ("llama", "mistral"):
             cfg["model_type"], cfg["architectures"] = "mistral", ["MistralForCausalLM"]
+            cfg["sliding_window"] = window
+        elif window and self.family.model_type == "phi3":
             cfg["sliding_window"] = window
         scaling = self._rope_scaling(cfg)
         if scaling:
@@ -420,6 +423,13 @@ class GGUFFile:
         return cfg
 
     def _rope_scaling(self, cfg: dict) -> dict | None:
+        if "rope_factors_long.weight" in self.tensors:        # longrope (Phi-3's converter)
+            original = self._int("rope.scaling.original_context_length")
+            cfg["original_max_position_embeddings"] = original
+            return {"rope_type": "longrope", "original_max_position_embeddings": original,
+                    "attention_factor": self._float("rope.scaling.attn_factor", None),
+                    **{f"{k}_factor": self.tensor(f"rope_factors_{k}.weight").astype(float).tolist()
+                       for k in ("long", "short")}}
         kind = self._arch("rope.scaling.type")
         if kind in (None, "none") and "rope_freqs.weight" not in self.tensors:
             return None
@@ -544,7 +554,7 @@ class GGUFFile:
         return w.rows(unpermute(np.arange(w.shape[0]), heads))
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {hf_name(n): t.np_shape for n, t in self.tensors.items() if hf_name(n)}
+        return {hf: self.tensors[n].np_shape for hf, n in self._gguf_names.items()}
 
     @property
     def n_params(self) -> int:

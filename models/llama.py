@@ -18,7 +18,7 @@ from tinyrt.errors import ModelFormatError
 from tinyrt.kernels import QuantWeight, awq_layout
 
 from .base import Family
-from .rope import per_layer, rope_inv_freq
+from .rope import per_layer, rope_inv_freq, rotary_magnitude, rotary_order
 from .weights import ModelWeights, release_pages
 
 if TYPE_CHECKING:          # (config.py imports the families, this one among them)
@@ -65,12 +65,43 @@ GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
 Attend = Callable[[Any, Any, Any], Any]
 
 
+def qkv_rows(cfg: ModelConfig, parts: list) -> list:
+    """The parts of the fused q|k|v projection (float [out, in] arrays or QuantWeights, split
+    along the output) with each q and k head's rows in rope.rotary_order, and the rotated ones
+    times rope.rotary_magnitude (RoPE is linear: HF's scaled tables, folded into the weights);
+    as they are where RoPE rotates every dim unscaled."""
+    order, magnitude = rotary_order(cfg), rotary_magnitude(cfg)
+    if order is None and magnitude == 1:
+        return parts
+    D, r = cfg.head_dim, cfg.rotary_dim
+    order = np.arange(D) if order is None else order
+    heads = cfg.num_attention_heads + cfg.num_key_value_heads
+    index = np.concatenate([h * D + order for h in range(heads)]
+                           + [heads * D + np.arange(cfg.kv_size)])
+    factor = np.where(np.concatenate([order < r] * heads + [np.zeros(cfg.kv_size, bool)]),
+                      np.float32(magnitude), np.float32(1))
+    out, r0 = [], 0
+    for w in parts:
+        n = w.shape[0]
+        idx, f = index[r0:r0 + n] - r0, factor[r0:r0 + n]
+        if isinstance(w, QuantWeight):
+            w = w.rows(idx)
+            out.append(w if magnitude == 1 else w.scaled_rows(f))
+        else:
+            w = np.asarray(w)[idx]
+            out.append(w if magnitude == 1 else (w * f[:, None]).astype(np.float32))
+        r0 += n
+    return out
+
+
 class LlamaModel:
     """Decoder over a KV cache. `forward(tokens, cache)` appends the tokens to the cache and returns
     logits [T, V] (or [1, V] for the last token only)."""
 
     qkv_bias = False      # whether q, k and v have biases (Qwen2)
     qk_norm = False       # whether each head's q and k are RMS-normed before RoPE (Qwen3)
+    linears = LINEARS     # its HF linear modules by Layer field (Phi-3: fused ones)
+    gguf_layer = GGUF_LAYER   # its HF module names -> llama.cpp's
     # whether `layer` is this pre-norm GQA / SwiGLU layer, the one a backend's decode_layer
     # fuses: a family that overrides the math says no
     fusable = True
@@ -81,8 +112,13 @@ class LlamaModel:
     def linear_shapes(cls, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         """Decoder-layer linear name (HF, without .weight) -> (out, in)."""
         H, I, Qs, KVs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-        names = [n for parts in LINEARS.values() for n in parts]
-        dims = dict(zip(names, [(Qs, H), (KVs, H), (KVs, H), (H, Qs), (I, H), (I, H), (H, I)]))
+        # each field's parts (out sizes), or the whole as one fused module
+        outs = {"qkv": (Qs, KVs, KVs), "o": (H,), "gate_up": (I, I), "down": (H,)}
+        ins = {"qkv": H, "o": Qs, "gate_up": H, "down": I}
+        dims = {}
+        for f, names in cls.linears.items():
+            sizes = outs[f] if len(names) == len(outs[f]) else (sum(outs[f]),)
+            dims.update({n: (out, ins[f]) for n, out in zip(names, sizes)})
         return {f"model.layers.{i}.{n}": d for i in range(cfg.num_hidden_layers)
                 for n, d in dims.items()}
 
@@ -100,7 +136,7 @@ class LlamaModel:
                 shapes[f"model.layers.{i}.{n}.weight"] = (cfg.head_dim,)
         q = cfg.quant
         for name, (out, inp) in cls.linear_shapes(cfg).items():
-            if cls.qkv_bias and name.split(".", 3)[3] in LINEARS["qkv"]:
+            if cls.qkv_bias and name.split(".", 3)[3] in cls.linears["qkv"]:
                 shapes[name + ".bias"] = (out,)
             if q is None:
                 shapes[name + ".weight"] = (out, inp)
@@ -113,19 +149,21 @@ class LlamaModel:
         return shapes
 
     @classmethod
-    def make_layer(cls, i: int, backend, tensor: Callable[[str], np.ndarray],
+    def make_layer(cls, cfg: ModelConfig, i: int, backend, tensor: Callable[[str], np.ndarray],
                    linear: Callable[[str], Any]) -> Layer:
         """Layer i prepared by `backend` from `tensor(HF tensor name)` (a float array) and
         `linear(HF module name)` (a float weight [out, in] or a kernels.quant.QuantWeight)."""
         p = f"model.layers.{i}."
+        parts = {f: [linear(p + n) for n in names] for f, names in cls.linears.items()}
+        parts["qkv"] = qkv_rows(cfg, parts["qkv"])
         bias = None
         if cls.qkv_bias:
-            bias = backend.prepare_vector(np.concatenate(
-                [np.asarray(tensor(p + n + ".bias"), np.float32) for n in LINEARS["qkv"]]))
+            bias = np.concatenate([np.asarray(tensor(p + n + ".bias"), np.float32)
+                                   for n in cls.linears["qkv"]])
+            bias = backend.prepare_vector(qkv_rows(cfg, [bias[:, None]])[0][:, 0])
         norms = {**NORMS, **(QK_NORMS if cls.qk_norm else {})}
         return Layer(**{f: backend.prepare_vector(tensor(p + n + ".weight")) for f, n in norms.items()},
-                     **{f: backend.prepare_linear([linear(p + n) for n in parts])
-                        for f, parts in LINEARS.items()}, qkv_bias=bias)
+                     **{f: backend.prepare_linear(ws) for f, ws in parts.items()}, qkv_bias=bias)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, backend):
         """The decoder of `config` on `backend`, its weights read from `weights` (checked against
@@ -141,9 +179,12 @@ class LlamaModel:
         # the peak of a load stays close to what the prepared model holds
         weights.release()
         for i in range(cfg.num_hidden_layers):
-            self.layers.append(self.make_layer(i, be, weights.tensor, weights.linear))
+            self.layers.append(self.make_layer(cfg, i, be, weights.tensor, weights.linear))
             weights.release()
         self.inv_freq = rope_inv_freq(cfg)
+        # longrope: a pass whose last position lies past the original context rotates by its
+        # long factors (HF's choice, made per forward pass)
+        self.inv_freq_long = rope_inv_freq(cfg, long=True) if cfg.rope_type == "longrope" else None
         self.rope_layers = [cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)]
         self.scale = cfg.head_dim ** -0.5
 
@@ -225,7 +266,7 @@ class LlamaModel:
         cfg, be = self.config, self.backend
         tokens = np.asarray(tokens, dtype=np.int64)
         pos = cache.allocate(len(tokens))
-        cos, sin = be.rope_tables(self.inv_freq, pos)
+        cos, sin = be.rope_tables(self._inv_freq(pos), pos)
         x = be.embedding(self.embed, tokens)                               # [T, H]
         # a table used as stored, mapped from the file, is read a few rows per token: its rows
         # leave the resident set at once, or RSS would creep up as new tokens appear
@@ -238,6 +279,13 @@ class LlamaModel:
                 x = self.layer(be, cfg, L, x, c, s, self._attend(kv, pos))
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
 
+
+    def _inv_freq(self, pos: np.ndarray) -> np.ndarray:
+        """The RoPE frequencies of a pass over positions `pos`."""
+        if self.inv_freq_long is not None and len(pos) and \
+                int(pos.max()) + 1 > self.config.longrope_original:
+            return self.inv_freq_long
+        return self.inv_freq
 
     def decode_layers(self, x, cos, sin, attends: list[Attend]):
         """Embedded tokens x [T, H] through every layer (layer i attending with attends[i]) and

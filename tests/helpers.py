@@ -81,6 +81,11 @@ def random_weights(cfg: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.n
                       for n, o in (("q", Q * D), ("k", G * D), ("v", G * D))})
         if cfg.get("model_type") == "qwen3":          # each head's q and k RMS-normed
             w.update({p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D)})
+        if cfg.get("model_type") == "phi3":           # fused q|k|v and gate|up
+            w[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+                [w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            w[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+                [w.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     return w
 
 

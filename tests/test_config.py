@@ -85,6 +85,7 @@ def test_rope_frequencies_match_transformers(scaling):
 
 # -- numbers out of range: each refused in one line naming the file and the field --------------
 
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
 
@@ -127,6 +128,19 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
      "between 1"),
     ({"model_type": "smollm3", "use_sliding_window": True}, "SmolLM3 with use_sliding_window is "
      "not supported"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0}, "partial_rotary_factor must be above 0"),
+    ({"model_type": "phi3", "partial_rotary_factor": 1.5}, "partial_rotary_factor must be at most 1"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.1}, "rotates 1 of head_dim 16: not an even"),
+    ({"model_type": "phi3", "original_max_position_embeddings": 64,
+      "rope_scaling": {**LONGROPE, "short_factor": [1.0] * 7}},
+     "rope_scaling.short_factor must be a list of 8 numbers"),
+    ({"model_type": "phi3", "original_max_position_embeddings": 64,
+      "rope_scaling": {**LONGROPE, "long_factor": [1.0] * 7 + [float("nan")]}},
+     "rope_scaling.long_factor must be a finite number"),
+    ({"model_type": "phi3", "rope_scaling": LONGROPE},
+     "original_max_position_embeddings (longrope) must be a number, got None"),
+    ({"model_type": "phi3", "original_max_position_embeddings": 1, "rope_scaling": LONGROPE},
+     "original_max_position_embeddings (longrope) must be above 1"),
 ])
 def test_numbers_out_of_range_are_refused(change, words):
     with pytest.raises(ModelFormatError) as e:

@@ -28,13 +28,21 @@ CONFIGS = {
     # a head dim that is not hidden / heads (as Qwen3's 0.6B, 4B, 8B ... have)
     "qwen3": lambda tied: __import__("transformers").Qwen3Config(
         **SIZES, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=tied),
+    # Phi-4-mini's kind: 3/4 of each head's dims rotated, longrope factors (short ones in these
+    # tests' contexts, within the original 64 tokens) and its attention factor (sqrt(1.5) for
+    # a context stretched 8 times), a sliding window shorter than the tests' sequences
+    "phi3": lambda tied: __import__("transformers").Phi3Config(
+        **SIZES, rope_theta=10000.0, tie_word_embeddings=tied, pad_token_id=0,
+        partial_rotary_factor=0.75, original_max_position_embeddings=64, sliding_window=30,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.0, 2.5, 3.0],
+                      "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 8.0]}),
     # four layers: the fourth is a NoPE layer (HF's default)
     "smollm3": lambda tied: __import__("transformers").SmolLM3Config(
         **{**SIZES, "num_hidden_layers": 4}, rope_theta=50000.0, tie_word_embeddings=tied,
         pad_token_id=0),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", True), ("qwen2", False), ("qwen3", True),
-                ("qwen3", False), ("smollm3", True)]
+                ("qwen3", False), ("smollm3", True), ("phi3", False), ("phi3", True)]
 
 
 def test_every_family_is_tested_here():
@@ -56,7 +64,8 @@ def write_hf_model(directory, family: str, tied: bool, seed: int):
     model.save_pretrained(directory)
     byte_level_tokenizer(SIZES["vocab_size"]).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}))
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
+        "tokenizer_class": "GPT2Tokenizer"}))       # (a byte-level BPE, as Phi-4-mini's)
     return directory
 
 
@@ -136,6 +145,20 @@ def test_logits_and_greedy_tokens_match_transformers(family_models, device, poli
     assert tokens[len(ids):] == [int(t) for t in want[len(ids) - 1:-1].argmax(axis=1)]
 
 
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+def test_phi3_longrope_past_the_original_context(tmp_path, device):
+    """A pass whose positions reach past longrope's original context (64 tokens here) rotates
+    by its long factors, as transformers chooses them per pass: a prompt of 90 tokens, then a
+    decode step, against transformers on the whole sequence."""
+    d = write_hf_model(tmp_path / "phi3", "phi3", False, seed=int(rng.integers(1 << 30)))
+    llm = tinyrt.LLM(d, device=device, kv_size=128, kv_type="f32")
+    ids = rng.integers(3, SIZES["vocab_size"], 91)
+    got = llm.model.backend.to_numpy(llm.model.forward(ids[:90], llm.cache, all_logits=True))
+    step = llm.model.backend.to_numpy(llm.model.forward(ids[90:], llm.cache))
+    want = hf_logits(hf_model(d), ids)
+    assert rel_err(np.concatenate([got, step]), want) < 1e-4
+
+
 def test_greedy_text_matches_transformers_generate(family_models):
     """The text of a greedy reply through the whole engine (chat template, generation loop,
     detokenizer) is transformers' `generate` text."""
@@ -175,7 +198,8 @@ def test_qwen2_gguf_runs_as_transformers(tmp_path):
 
 # the pre-tokenizer name each family's real vocabulary has in llama.cpp (the tests' own tokenizer
 # is written under it; the logits below are compared on token ids)
-LLAMA_CPP_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "smollm3": "llama-bpe"}
+LLAMA_CPP_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "smollm3": "llama-bpe",
+                 "phi3": "gpt-4o"}
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])

@@ -422,8 +422,12 @@ def test_fused_layers_give_each_of_a_few_tokens_its_one_token_result(tmp_path, p
 FUSED_CASES = {"llama": (4, 2, None, "dense"), "llama-mha": (8, 8, None, "dense"),
                "mistral": (8, 2, 5, "dense"), "llama-h2o": (4, 2, None, "h2o"),
                "qwen2": (4, 2, None, "dense"), "qwen2-h2o": (8, 2, None, "h2o"),
-               "qwen3": (4, 2, None, "dense"), "smollm3": (4, 2, None, "dense")}
-FAMILY_OVER = {"smollm3": {"no_rope_layers": [1, 0]}}       # its second layer a NoPE layer
+               "qwen3": (4, 2, None, "dense"), "smollm3": (4, 2, None, "dense"),
+               "phi3": (4, 2, 7, "dense")}
+FAMILY_OVER = {"smollm3": {"no_rope_layers": [1, 0]},       # its second layer a NoPE layer
+               "phi3": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 64,
+                        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.5] * 8,
+                                         "long_factor": [4.0] * 8}}}
 
 
 def test_the_fused_layer_is_checked_for_every_family():

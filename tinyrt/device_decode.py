@@ -36,7 +36,9 @@ def usable(model, cache) -> bool:
     """Whether decode steps of `model` over `cache` can run on the device."""
     be = model.backend
     return (be.name == "cuda" and not cache.quantized and getattr(cache, "slack", 0) == 0
-            and type(cache) in (KVCache, SinkCache, H2OCache))
+            and type(cache) in (KVCache, SinkCache, H2OCache)
+            # (the step's frequencies are fixed: not longrope's, which change with the position)
+            and model.inv_freq_long is None)
 
 
 class DeviceSampler:
