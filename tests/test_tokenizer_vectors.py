@@ -13,6 +13,7 @@ VOCABS = {
     "llama-spm": "Llama 1/2 and Mistral's SentencePiece",
     "llama-bpe": "Llama 3's byte-level BPE (whole pre-tokens in the vocabulary not merged)",
     "qwen2": "Qwen2 and Qwen3's byte-level BPE",
+    "phi-3": "Phi-3's SentencePiece",
 }
 
 
