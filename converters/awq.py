@@ -35,7 +35,7 @@ from tinyrt.kernels import reference as ops
 from tinyrt.models import Layer, model_class
 from tinyrt.models.config import ModelConfig
 from tinyrt.models.llama import LINEARS, NORMS
-from tinyrt.models.rope import per_layer, rope_inv_freq
+from tinyrt.models.rope import layer_inv_freqs
 
 from .quantize import fake_quantize, pack_linear
 
@@ -74,8 +74,8 @@ def peak_bytes(cfg: ModelConfig, n_tokens: int) -> int:
 Weights = dict  # one decoder layer's float32 tensors by HF name (norms, linears' .weight, biases)
 
 
-def causal_attend(cfg: ModelConfig) -> Callable:
-    """Attention of sequences over themselves, for the model's layer: q [N, T, Q, D] and k, v
+def causal_attend(cfg: ModelConfig, i: int) -> Callable:
+    """Attention of sequences over themselves, for the model's layer i: q [N, T, Q, D] and k, v
     [N, T, G, D] -> [N, T, Q, D], a block of queries at a time (it sees the keys up to its end)."""
     def attend(q, k, v):
         N, T, Q, D = q.shape
@@ -84,7 +84,7 @@ def causal_attend(cfg: ModelConfig) -> Callable:
         for b in range(0, T, ATTN_BLOCK):
             e = min(b + ATTN_BLOCK, T)
             a[:, b:e] = ops.attention(q[:, b:e], k[:, :, :e], v[:, :, :e], pos[b:e], pos[:e],
-                                      D ** -0.5, cfg.sliding_window)
+                                      cfg.attention_scale, cfg.window(i))
         return a
     return attend
 
@@ -96,7 +96,8 @@ def make_layer(cfg: ModelConfig, w: Weights, i: int) -> Layer:
 
 def layer_forward(cfg: ModelConfig, x: np.ndarray, w: Weights, i: int, cos, sin) -> np.ndarray:
     """The model's layer i over calibration sequences x [N, T, H]."""
-    return model_class(cfg).layer(OPS, cfg, make_layer(cfg, w, i), x, cos, sin, causal_attend(cfg))
+    return model_class(cfg).layer(OPS, cfg, make_layer(cfg, w, i), x, cos, sin,
+                                  causal_attend(cfg, i))
 
 
 class _Recorder(ops.ReferenceBackend):
@@ -188,7 +189,7 @@ def awq_layer(cfg: ModelConfig, w: Weights, i: int, x: np.ndarray, cos, sin,
     (q, k, v), (o,), (gate, up), (down,) = ([p + n + ".weight" for n in LINEARS[f]]
                                             for f in ("qkv", "o", "gate_up", "down"))
     in_norm, post_norm = (p + NORMS[f] + ".weight" for f in ("input_norm", "post_norm"))
-    L, rec, attend = make_layer(cfg, w, i), _Recorder(), causal_attend(cfg)
+    L, rec, attend = make_layer(cfg, w, i), _Recorder(), causal_attend(cfg, i)
     model.layer(rec, cfg, L, x, cos, sin, attend)
     xa, o_in, xm, act = (rec.inputs[id(getattr(L, f))] for f in LINEARS)   # linears' inputs
     attn_out, mlp_out = ops.linear(o_in, L.o), ops.linear(act, L.down)
@@ -202,7 +203,7 @@ def awq_layer(cfg: ModelConfig, w: Weights, i: int, x: np.ndarray, cos, sin,
     if w[v].shape == w[o].shape:
         s_o = search_scales(flat(o_in), [w[o]], linear_mse(flat(o_in), w[o]), opts)
     s_gu = search_scales(flat(xm), [w[gate], w[up]], output_mse(
-        lambda W: model.mlp(OPS, dataclasses.replace(L, gate_up=np.concatenate(W)), xm),
+        lambda W: model.mlp(OPS, cfg, dataclasses.replace(L, gate_up=np.concatenate(W)), xm),
         mlp_out), opts)
     s_d = search_scales(flat(act), [w[down]], linear_mse(flat(act), w[down]), opts)
 
@@ -239,8 +240,8 @@ def quantize_model(cfg: ModelConfig, get: Callable[[str], np.ndarray], calib: np
     x, tables = None, [(None, None)] * cfg.num_hidden_layers
     if opts.method == "awq":
         x = get("model.embed_tokens.weight")[calib].astype(np.float32)      # [N, T, H]
-        tables = per_layer([cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)],
-                           *ops.rope_tables(rope_inv_freq(cfg), np.arange(calib.shape[1])))
+        positions = np.arange(calib.shape[1])
+        tables = [ops.rope_tables(f, positions) for f in layer_inv_freqs(cfg)]
     float_cfg = dataclasses.replace(cfg, quantization_config=None)
     names = list(model_class(cfg).expected_shapes(float_cfg))
     linears = {n + ".weight" for n in model_class(cfg).linear_shapes(cfg)}

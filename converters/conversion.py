@@ -13,6 +13,7 @@ import numpy as np
 from tinyrt.errors import ModelFormatError, TinyrtError, check_int, shown
 from tinyrt.kernels import awq_layout
 from tinyrt.models import ModelConfig, expected_shapes, linear_shapes
+from tinyrt.models.llama import NORMS
 from tinyrt.models.weights import all_finite, held_layers, write_safetensors
 from tinyrt.paths import user_path
 from tinyrt.sample_text import default_text
@@ -231,10 +232,11 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
                "usually costs quality (the default model's Q4_1 file loses several points of "
                f"perplexity); tinyrt runs the GGUF as it is: tinyrt chat {source.path}")
     cfg = ModelConfig.from_dict(source.config)
-    if method == "awq" and len(cfg.family.model.linears["qkv"]) != 3:
-        raise TinyrtError(f"--method awq: the AWQ search of {cfg.model_type} models (their q, k "
-                          "and v one fused projection) is not written yet; --method rtn "
-                          "converts them")
+    model = cfg.family.model
+    if method == "awq" and (len(model.linears["qkv"]) != 3 or model.norms != NORMS):
+        raise TinyrtError(f"--method awq: the AWQ search of {cfg.model_type} models (q, k and v "
+                          "one fused projection, or norms of their own kind) is not written "
+                          "yet; --method rtn converts them")
     names = check_tensors(source, cfg)
     np_dtype = FLOAT_DTYPES[dtype]
     config = {k: v for k, v in source.config.items() if k != "quantization_config"}

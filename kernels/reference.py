@@ -6,6 +6,7 @@ All activations are float32; weights may be stored as float16 or float32.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import numpy as np
@@ -52,6 +53,14 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu(gate) * up with GELU's tanh approximation (HF's gelu_pytorch_tanh): 0.5 g (1 +
+    tanh(sqrt(2/pi) (g + 0.044715 g^3))), elementwise, float32."""
+    g = np.asarray(gate, np.float32)
+    inner = np.float32(math.sqrt(2 / math.pi)) * (g + np.float32(0.044715) * g * g * g)
+    return (np.float32(0.5) * g * (np.float32(1) + np.tanh(inner)) * up).astype(np.float32)
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -186,6 +195,12 @@ class ReferenceBackend:
         """silu(gate) * up of the fused gate/up projection's output gu [T, 2I] (gate first)."""
         I = gu.shape[-1] // 2
         return silu_mul(gu[..., :I], gu[..., I:])
+
+    @staticmethod
+    def geglu(gu: np.ndarray) -> np.ndarray:
+        """gelu_tanh(gate) * up of the fused gate/up projection's output gu [T, 2I] (Gemma)."""
+        I = gu.shape[-1] // 2
+        return gelu_tanh_mul(gu[..., :I], gu[..., I:])
     attention = staticmethod(attention)
     lowest_scored = staticmethod(lowest_scored)
 

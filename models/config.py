@@ -13,6 +13,8 @@ from tinyrt.errors import ModelFormatError
 from .families import family
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")     # of the gated MLP: SwiGLU, GeGLU (Gemma)
+LAYER_TYPES = ("sliding_attention", "full_attention")
 # The largest size or token id a config may name: no real model comes near it, and beyond it the
 # runtime's int32 token ids and positions (and NumPy's shapes) would overflow. Whether the weights
 # hold what the config names is checked against the file (ModelWeights.check_shapes).
@@ -79,11 +81,14 @@ _KINDS = {**dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "nu
                            "max_position_embeddings", "sliding_window", "bos_token_id",
                            "pad_token_id", "no_rope_layer_interval",
                            "original_max_position_embeddings"), "int"),
-          **dict.fromkeys(("rms_norm_eps", "rope_theta", "partial_rotary_factor"), "number"),
+          **dict.fromkeys(("rms_norm_eps", "rope_theta", "partial_rotary_factor",
+                           "rope_local_base_freq", "query_pre_attn_scalar",
+                           "final_logit_softcapping", "attn_logit_softcapping"), "number"),
           **dict.fromkeys(("model_type", "hidden_act", "torch_dtype"), "str"),
           **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), "bool"),
           **dict.fromkeys(("rope_scaling", "quantization_config"), "object"),
-          "eos_token_id": "ints", "no_rope_layers": "ints", "architectures": "strs"}
+          "eos_token_id": "ints", "no_rope_layers": "ints", "architectures": "strs",
+          "layer_types": "strs"}
 _QUANT_KINDS = {"quant_method": "str", "bits": "int", "group_size": "int", "zero_point": "bool",
                 "version": "str"}
 
@@ -122,6 +127,13 @@ class ModelConfig:
     original_max_position_embeddings: int | None = None    # (longrope: the context it extends)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # each layer's kind: "sliding_attention" (attends within sliding_window, RoPE base
+    # rope_local_base_freq where given) or "full_attention"; None: every layer alike
+    layer_types: list[str] | None = None
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None     # attention's scale: its -1/2 power (Gemma)
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     # layers that attend without positions (NoPE: no RoPE on q and k): those whose entry of
     # no_rope_layers is 0, or (without it) every no_rope_layer_interval-th
     no_rope_layers: list[int] | None = None
@@ -225,8 +237,21 @@ class ModelConfig:
         if self.rotary_dim % 2 or self.rotary_dim == 0:
             raise fail(f"partial_rotary_factor {self.partial_rotary_factor} rotates "
                        f"{self.rotary_dim} of head_dim {self.head_dim}: not an even number above 0")
-        if self.hidden_act != "silu":
-            raise fail(f"unsupported activation {self.hidden_act!r} (only silu)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise fail(f"unsupported activation {self.hidden_act!r} "
+                       f"(supported: {', '.join(ACTIVATIONS)})")
+        if self.layer_types is not None and (
+                len(self.layer_types) < self.num_hidden_layers
+                or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise fail(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the "
+                       f"{self.num_hidden_layers} layers")
+        for name in ("rope_local_base_freq", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None:
+                _check_number(name, getattr(self, name), 1 if name.startswith("rope") else 0,
+                              MAX_ROPE_THETA)
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(self, name) is not None:
+                raise fail(f"{name} (Gemma 2's) is not supported")
         if self.attention_bias or self.mlp_bias:
             raise fail("linear layers with bias are not supported")
         # an epsilon, not a scale, that float32 holds (a smaller one is 0 there); theta above 1
@@ -294,6 +319,17 @@ class ModelConfig:
         """longrope's original context: past it, the long factors apply."""
         s = self.rope_scaling or {}
         return s.get("original_max_position_embeddings", self.original_max_position_embeddings)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to all it holds)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention multiplies q . k by."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates its q and k by position (False: a NoPE layer)."""

@@ -7,12 +7,13 @@ from tinyrt.errors import ModelFormatError
 
 from .base import Family
 from .llama import LLAMA, MISTRAL
+from .gemma3 import GEMMA3
 from .phi3 import PHI3
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
 from .smollm3 import SMOLLM3
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, PHI3, QWEN2, QWEN3, SMOLLM3)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, GEMMA3, PHI3, QWEN2, QWEN3, SMOLLM3)}
 
 
 def family(model_type: str) -> Family:

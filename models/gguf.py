@@ -408,6 +408,9 @@ class GGUFFile:
             cfg["sliding_window"] = window
         elif window and self.family.model_type == "phi3":
             cfg["sliding_window"] = window
+        if self.family.model_type == "gemma3_text":      # (llama.cpp's fixed Gemma 3 settings)
+            cfg.update(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
+                       rope_local_base_freq=10_000.0, sliding_window=window or None)
         scaling = self._rope_scaling(cfg)
         if scaling:
             cfg["rope_scaling"] = scaling
@@ -526,9 +529,13 @@ class GGUFFile:
         return heads
 
     def hf_tensor(self, hf: str) -> np.ndarray:
-        """A tensor by its HF name, in HF layout (Q/K rows un-permuted), float."""
+        """A tensor by its HF name, in HF layout (Q/K rows un-permuted; a Gemma norm's weight
+        w where llama.cpp stores 1 + w), float."""
         name = self._gguf_names[hf]
         w = self.tensor(name)
+        shift = self.family.model.norm_shift
+        if shift and hf.endswith("norm.weight"):
+            return w.astype(np.float32) - np.float32(shift)
         heads = self._qk_heads(hf, name, w.shape[0])
         return w if heads is None else unpermute(w, heads)
 

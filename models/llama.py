@@ -18,7 +18,7 @@ from tinyrt.errors import ModelFormatError
 from tinyrt.kernels import QuantWeight, awq_layout
 
 from .base import Family
-from .rope import per_layer, rope_inv_freq, rotary_magnitude, rotary_order
+from .rope import layer_inv_freqs, rotary_magnitude, rotary_order
 from .weights import ModelWeights, release_pages
 
 if TYPE_CHECKING:          # (config.py imports the families, this one among them)
@@ -38,6 +38,8 @@ class Layer:
     qkv_bias: Any = None  # [Q*D + 2*G*D] (a family with q/k/v biases), else None
     q_norm: Any = None   # [D]: an RMSNorm over each query head before RoPE (Qwen3), else None
     k_norm: Any = None   # [D]: the same over each key head
+    attn_out_norm: Any = None   # [H]: an RMSNorm of the attention's output (Gemma 3), else None
+    mlp_out_norm: Any = None    # [H]: the same of the MLP's output
 
 
 # A model whose values overflow runs on to NaN or inf logits, which the sampler (or perplexity)
@@ -101,7 +103,10 @@ class LlamaModel:
     qkv_bias = False      # whether q, k and v have biases (Qwen2)
     qk_norm = False       # whether each head's q and k are RMS-normed before RoPE (Qwen3)
     linears = LINEARS     # its HF linear modules by Layer field (Phi-3: fused ones)
+    norms = NORMS         # its HF norms by Layer field (Gemma 3: four)
     gguf_layer = GGUF_LAYER   # its HF module names -> llama.cpp's
+    norm_shift = 0.0      # what its norms' stored weights are off by (Gemma: 1, for x * (1 + w))
+    embed_scale = False   # whether embeddings are multiplied by sqrt(hidden) (Gemma)
     # whether `layer` is this pre-norm GQA / SwiGLU layer, the one a backend's decode_layer
     # fuses: a family that overrides the math says no
     fusable = True
@@ -130,7 +135,7 @@ class LlamaModel:
         if not cfg.tie_word_embeddings:
             shapes["lm_head.weight"] = (V, H)
         for i in range(cfg.num_hidden_layers):
-            for n in NORMS.values():
+            for n in cls.norms.values():
                 shapes[f"model.layers.{i}.{n}.weight"] = (H,)
             for n in QK_NORMS.values() if cls.qk_norm else ():
                 shapes[f"model.layers.{i}.{n}.weight"] = (cfg.head_dim,)
@@ -161,9 +166,17 @@ class LlamaModel:
             bias = np.concatenate([np.asarray(tensor(p + n + ".bias"), np.float32)
                                    for n in cls.linears["qkv"]])
             bias = backend.prepare_vector(qkv_rows(cfg, [bias[:, None]])[0][:, 0])
-        norms = {**NORMS, **(QK_NORMS if cls.qk_norm else {})}
-        return Layer(**{f: backend.prepare_vector(tensor(p + n + ".weight")) for f, n in norms.items()},
+        norms = {**cls.norms, **(QK_NORMS if cls.qk_norm else {})}
+        return Layer(**{f: cls.prepare_norm(backend, tensor(p + n + ".weight"))
+                        for f, n in norms.items()},
                      **{f: backend.prepare_linear(ws) for f, ws in parts.items()}, qkv_bias=bias)
+
+    @classmethod
+    def prepare_norm(cls, backend, w):
+        """An RMSNorm's weight as the backend multiplies by it (Gemma's 1 + w, in float32 as HF
+        adds it)."""
+        w = np.asarray(w, np.float32)
+        return backend.prepare_vector(w + np.float32(cls.norm_shift) if cls.norm_shift else w)
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, backend):
         """The decoder of `config` on `backend`, its weights read from `weights` (checked against
@@ -173,7 +186,7 @@ class LlamaModel:
         self.weights = weights
         self.embed = be.prepare_embedding(weights.embedding())
         self.lm_head = self._prepare_head(be, weights)
-        self.norm = be.prepare_vector(weights.tensor("model.norm.weight"))
+        self.norm = self.prepare_norm(be, weights.tensor("model.norm.weight"))
         self.layers = []
         # the file pages read while preparing each part leave the resident set at once, so that
         # the peak of a load stays close to what the prepared model holds
@@ -181,12 +194,12 @@ class LlamaModel:
         for i in range(cfg.num_hidden_layers):
             self.layers.append(self.make_layer(cfg, i, be, weights.tensor, weights.linear))
             weights.release()
-        self.inv_freq = rope_inv_freq(cfg)
-        # longrope: a pass whose last position lies past the original context rotates by its
-        # long factors (HF's choice, made per forward pass)
-        self.inv_freq_long = rope_inv_freq(cfg, long=True) if cfg.rope_type == "longrope" else None
-        self.rope_layers = [cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)]
-        self.scale = cfg.head_dim ** -0.5
+        # each layer's RoPE frequencies; longrope: a pass whose last position lies past the
+        # original context rotates by its long factors (HF's choice, made per forward pass)
+        self.layer_freqs = layer_inv_freqs(cfg)
+        self.layer_freqs_long = layer_inv_freqs(cfg, long=True) \
+            if cfg.rope_type == "longrope" else None
+        self.scale = cfg.attention_scale
 
     @staticmethod
     def _prepare_head(be, weights: ModelWeights):
@@ -218,16 +231,21 @@ class LlamaModel:
         return be.linear(attend(q, k, v).reshape(*lead, Q * D), L.o)
 
     @staticmethod
-    def mlp(be, L: Layer, h):
-        """The SwiGLU MLP of layer L for normed inputs h [T, H] -> [T, H]."""
-        return be.linear(be.swiglu(be.linear(h, L.gate_up)), L.down)
+    def mlp(be, cfg: ModelConfig, L: Layer, h):
+        """The gated MLP of layer L (SwiGLU; Gemma's GeGLU) for normed inputs h [T, H] -> [T, H]."""
+        gu = be.linear(h, L.gate_up)
+        return be.linear(be.geglu(gu) if cfg.hidden_act == "gelu_pytorch_tanh" else be.swiglu(gu),
+                         L.down)
 
     @classmethod
     def layer(cls, be, cfg: ModelConfig, L: Layer, x, cos, sin, attend: Attend):
-        """Decoder layer L: x [T, H] -> [T, H], pre-norm residual blocks."""
-        x = x + cls.attention(be, cfg, L, be.rmsnorm(x, L.input_norm, cfg.rms_norm_eps), cos, sin,
-                              attend)
-        return x + cls.mlp(be, L, be.rmsnorm(x, L.post_norm, cfg.rms_norm_eps))
+        """Decoder layer L: x [T, H] -> [T, H], pre-norm residual blocks (Gemma's outputs
+        normed too)."""
+        eps = cfg.rms_norm_eps
+        a = cls.attention(be, cfg, L, be.rmsnorm(x, L.input_norm, eps), cos, sin, attend)
+        x = x + (a if L.attn_out_norm is None else be.rmsnorm(a, L.attn_out_norm, eps))
+        m = cls.mlp(be, cfg, L, be.rmsnorm(x, L.post_norm, eps))
+        return x + (m if L.mlp_out_norm is None else be.rmsnorm(m, L.mlp_out_norm, eps))
 
     # -- over the KV cache ------------------------------------------------------------------------
 
@@ -266,39 +284,50 @@ class LlamaModel:
         cfg, be = self.config, self.backend
         tokens = np.asarray(tokens, dtype=np.int64)
         pos = cache.allocate(len(tokens))
-        cos, sin = be.rope_tables(self._inv_freq(pos), pos)
-        x = be.embedding(self.embed, tokens)                               # [T, H]
+        tables = self.rope_tables(pos)
+        x = self.embed_tokens(tokens)                                      # [T, H]
         # a table used as stored, mapped from the file, is read a few rows per token: its rows
         # leave the resident set at once, or RSS would creep up as new tokens appear
         release_pages(self.embed)
-        for i, (L, (c, s)) in enumerate(zip(self.layers, per_layer(self.rope_layers, cos, sin))):
-            kv = cache.layer(i)
+        for i, (L, (c, s)) in enumerate(zip(self.layers, tables)):
+            kv, window = cache.layer(i), cfg.window(i)
             if self.fusable and be.fused_decode(L, len(tokens)):   # its ops in one call
-                x = be.decode_layer(x, L, kv, pos, c, s, cfg)
+                x = be.decode_layer(x, L, kv, pos, c, s, cfg, window)
             else:
-                x = self.layer(be, cfg, L, x, c, s, self._attend(kv, pos))
+                x = self.layer(be, cfg, L, x, c, s, self._attend(kv, pos, window))
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
 
 
-    def _inv_freq(self, pos: np.ndarray) -> np.ndarray:
-        """The RoPE frequencies of a pass over positions `pos`."""
-        if self.inv_freq_long is not None and len(pos) and \
+    def embed_tokens(self, tokens):
+        """The embeddings [T, H] of token ids [T] (Gemma's times sqrt(hidden), in float32)."""
+        x = self.backend.embedding(self.embed, tokens)
+        return x * float(np.float32(self.config.hidden_size ** 0.5)) if self.embed_scale else x
+
+    def rope_tables(self, pos: np.ndarray) -> list:
+        """Each layer's (cos, sin) for a pass over positions `pos` (one table per distinct set
+        of frequencies)."""
+        freqs = self.layer_freqs
+        if self.layer_freqs_long is not None and len(pos) and \
                 int(pos.max()) + 1 > self.config.longrope_original:
-            return self.inv_freq_long
-        return self.inv_freq
+            freqs = self.layer_freqs_long
+        made = {}
+        for f in freqs:
+            if id(f) not in made:
+                made[id(f)] = self.backend.rope_tables(f, pos)
+        return [made[id(f)] for f in freqs]
 
     def decode_layers(self, x, cos, sin, attends: list[Attend]):
         """Embedded tokens x [T, H] through every layer (layer i attending with attends[i]) and
         the final norm -> [T, H]: the step tinyrt.device_decode runs on the device, its cache
-        bookkeeping its own."""
+        bookkeeping its own (for a model whose layers share one set of RoPE frequencies)."""
         cfg, be = self.config, self.backend
-        for L, attend, (c, s) in zip(self.layers, attends, per_layer(self.rope_layers, cos, sin)):
-            x = self.layer(be, cfg, L, x, c, s, attend)
+        for L, attend in zip(self.layers, attends):
+            x = self.layer(be, cfg, L, x, cos, sin, attend)
         return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
 
-    def _attend(self, kv, pos) -> Attend:
+    def _attend(self, kv, pos, window: int | None) -> Attend:
         """Attention over the cache layer `kv`, the new tokens (at positions `pos`) stored first."""
-        be, window = self.backend, self.config.sliding_window
+        be = self.backend
 
         def attend(q, k, v):
             be.store_kv(kv.k, kv.v, kv.slots, k, v)

@@ -3,6 +3,7 @@ and which layers use them."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -63,11 +64,16 @@ def rotary_magnitude(cfg: ModelConfig) -> float:
     return math.sqrt(1 + math.log(scale) / math.log(cfg.longrope_original)) if scale > 1 else 1.0
 
 
-def per_layer(uses_rope: list[bool], cos, sin) -> list:
-    """Each layer's RoPE tables: the position's, or for a NoPE layer (uses_rope False) tables
-    that rotate nothing (cos 1, sin 0: x * 1 - y * 0 is x exactly, so the same kernels serve
-    both). NumPy arrays or device tensors alike."""
-    if all(uses_rope):
-        return [(cos, sin)] * len(uses_rope)
-    identity = (cos * 0 + 1, sin * 0)
-    return [(cos, sin) if r else identity for r in uses_rope]
+def layer_inv_freqs(cfg: ModelConfig, long: bool = False) -> list[np.ndarray]:
+    """Each layer's RoPE frequencies (rope_inv_freq's), one array shared by the layers alike:
+    a sliding layer's of base rope_local_base_freq where the config names one (Gemma 3), a
+    NoPE layer's all 0 (cos 1, sin 0: x * 1 - y * 0 is x exactly, so the same kernels serve
+    it)."""
+    full = rope_inv_freq(cfg, long)
+    local = None
+    if cfg.rope_local_base_freq is not None:
+        plain = dataclasses.replace(cfg, rope_theta=cfg.rope_local_base_freq, rope_scaling=None)
+        local = rope_inv_freq(plain)
+    none = np.zeros_like(full)
+    return [none if not cfg.uses_rope(i) else local if local is not None and
+            cfg.window(i) is not None else full for i in range(cfg.num_hidden_layers)]

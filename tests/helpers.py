@@ -79,8 +79,11 @@ def random_weights(cfg: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.n
         if cfg.get("model_type") == "qwen2":          # its q, k, v have biases
             w.update({p + f"self_attn.{n}_proj.bias": (0.5 * rng.standard_normal(o)).astype(dtype)
                       for n, o in (("q", Q * D), ("k", G * D), ("v", G * D))})
-        if cfg.get("model_type") == "qwen3":          # each head's q and k RMS-normed
+        if cfg.get("model_type") in ("qwen3", "gemma3_text"):    # each head's q and k RMS-normed
             w.update({p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D)})
+        if cfg.get("model_type") == "gemma3_text":    # the MLP's input and both outputs normed
+            w.update({p + n + ".weight": norm(H) for n in (
+                "pre_feedforward_layernorm", "post_feedforward_layernorm")})
         if cfg.get("model_type") == "phi3":           # fused q|k|v and gate|up
             w[p + "self_attn.qkv_proj.weight"] = np.concatenate(
                 [w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])

@@ -24,7 +24,7 @@ def test_state_kernels_follow_the_cache_policy(policy, size):
     rng = seeded_rng()
     L, G, D = 2, 2, 8
     be = CudaBackend()
-    layout = KVLayout(L, G, D, 1 / 10000 ** (np.arange(D // 2) / (D // 2)))
+    layout = KVLayout(L, G, D, [1 / 10000 ** (np.arange(D // 2) / (D // 2))] * L)
     cache = POLICIES[policy](layout, size, ref.ReferenceBackend(),
                              CacheOptions(policy, size, "f32", sinks=2, recent=2))
     cache.allocate(3)                                # a prompt

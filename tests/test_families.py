@@ -36,31 +36,45 @@ CONFIGS = {
         partial_rotary_factor=0.75, original_max_position_embeddings=64, sliding_window=30,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.0, 2.5, 3.0],
                       "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 8.0]}),
+    # a sliding layer (window 12, RoPE base 10000) and a global one (base 1e6, linear scaling 2),
+    # attention scaled by 24 ** -0.5 where the head dim is 32
+    "gemma3_text": lambda tied: __import__("transformers").Gemma3TextConfig(
+        **SIZES, head_dim=32, query_pre_attn_scalar=24, sliding_window=12, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=tied,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
     # four layers: the fourth is a NoPE layer (HF's default)
     "smollm3": lambda tied: __import__("transformers").SmolLM3Config(
         **{**SIZES, "num_hidden_layers": 4}, rope_theta=50000.0, tie_word_embeddings=tied,
         pad_token_id=0),
 }
 FAMILY_CASES = [("llama", False), ("qwen2", True), ("qwen2", False), ("qwen3", True),
-                ("qwen3", False), ("smollm3", True), ("phi3", False), ("phi3", True)]
+                ("qwen3", False), ("smollm3", True), ("phi3", False), ("phi3", True),
+                ("gemma3_text", True)]
 
 
 def test_every_family_is_tested_here():
     assert set(CONFIGS) | {"mistral"} == set(FAMILIES)     # mistral: tests/test_model_tiny.py
 
 
-def write_hf_model(directory, family: str, tied: bool, seed: int):
-    """A random model of `family` made and saved by transformers, with a byte-level tokenizer and
-    the ChatML template (Qwen2's)."""
+def write_hf_model(directory, family: str, tied: bool, seed: int, **over):
+    """A random model of `family` made and saved by transformers (its config's values `over`
+    changed), with a byte-level tokenizer and the ChatML template (Qwen2's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family](tied)).eval()
-    with torch.no_grad():            # transformers initializes biases to zero: make them count
-        for name, p in model.named_parameters():
+    config = CONFIGS[family](tied)
+    for k, v in over.items():
+        setattr(config, k, v)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():            # transformers initializes biases to zero and norms to one
+        for name, p in model.named_parameters():     # (Gemma's to zero): make them count
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p), alpha=0.2)
     model.save_pretrained(directory)
     byte_level_tokenizer(SIZES["vocab_size"]).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
@@ -145,6 +159,21 @@ def test_logits_and_greedy_tokens_match_transformers(family_models, device, poli
     assert tokens[len(ids):] == [int(t) for t in want[len(ids) - 1:-1].argmax(axis=1)]
 
 
+@pytest.mark.parametrize("family", ["phi3", "gemma3_text"])
+def test_awq_search_that_is_not_written_for_a_family_is_refused(tmp_path, family):
+    """The AWQ search folds scales into separate q/k/v and Llama's norms: for Phi-3's fused
+    projections and Gemma's norms it says so in one line, before any work; RTN converts them."""
+    from tinyrt.errors import TinyrtError
+
+    d = write_hf_model(tmp_path / "m", family, True, seed=int(rng.integers(1 << 30)))
+    with pytest.raises(TinyrtError, match=f"--method awq: the AWQ search of {family} .* "
+                                          "--method rtn converts them"):
+        convert(d, tmp_path / "awq", method="awq")
+    assert not (tmp_path / "awq").exists()
+    q = convert(d, tmp_path / "rtn", method="rtn", group_size=32)
+    assert tinyrt.LLM(q, device="reference").generate("hi", max_tokens=2, temperature=0) is not None
+
+
 @pytest.mark.parametrize("device", ["cpu", "reference"])
 def test_phi3_longrope_past_the_original_context(tmp_path, device):
     """A pass whose positions reach past longrope's original context (64 tokens here) rotates
@@ -198,8 +227,12 @@ def test_qwen2_gguf_runs_as_transformers(tmp_path):
 
 # the pre-tokenizer name each family's real vocabulary has in llama.cpp (the tests' own tokenizer
 # is written under it; the logits below are compared on token ids)
+# llama.cpp's Gemma 3 knows no layer_types, local RoPE base or attention scale: it runs a
+# global layer after each five sliding ones, base 10000, head_dim ** -0.5 (so must the model)
+LLAMA_CPP_OVER = {"gemma3_text": dict(num_hidden_layers=6, query_pre_attn_scalar=32,
+                                      layer_types=["sliding_attention"] * 5 + ["full_attention"])}
 LLAMA_CPP_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "smollm3": "llama-bpe",
-                 "phi3": "gpt-4o"}
+                 "phi3": "gpt-4o", "gemma3_text": "default"}
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
@@ -211,7 +244,8 @@ def test_llama_cpp_s_own_gguf_runs_as_transformers(tmp_path, family, outtype):
     within 1e-4 from float32; from Q8_0 within 8-bit rounding, and the two devices alike."""
     from llama_cpp_files import convert_with_llama_cpp
 
-    d = write_hf_model(tmp_path / "hf", family, False, seed=int(rng.integers(1 << 30)))
+    d = write_hf_model(tmp_path / "hf", family, False, seed=int(rng.integers(1 << 30)),
+                       **LLAMA_CPP_OVER.get(family, {}))
     gguf = convert_with_llama_cpp(d, tmp_path / f"m-{outtype}.gguf", outtype,
                                   pre=LLAMA_CPP_PRE[family])
     ids = rng.integers(3, SIZES["vocab_size"], 40)

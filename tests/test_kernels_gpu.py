@@ -398,13 +398,15 @@ for f in (t.float16, t.float32):
 
 @pytest.mark.parametrize("policy, kind, family", [
     ("dense", "float", "llama"), ("sink", "4-bit", "llama"), ("h2o", "4-bit", "llama"),
-    ("dense", "float", "qwen3"), ("sink", "4-bit", "smollm3"), ("dense", "4-bit", "phi3")])
+    ("dense", "float", "qwen3"), ("sink", "4-bit", "smollm3"), ("dense", "4-bit", "phi3"),
+    ("sink", "float", "gemma3_text")])
 def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind, family):
     """The whole decoder on the CUDA backend (a prompt, then decode steps) gives the reference
     backend's logits step by step; a cache of 6 slots (1 sink) makes sink and h2o evict. The
     CUDA backend keeps float weights (and the 4-bit model's head) as float16: a relative error
     of a few 1e-4 on the logits. Qwen3's per-head q/k norms; SmolLM3's NoPE layer (the second
-    of two); Phi-3's fused projections, half of each head rotated and longrope."""
+    of two); Phi-3's fused projections, half of each head rotated and longrope; Gemma 3's
+    sliding and global layers (their sinks re-rotated by two sets of frequencies), GeGLU."""
     from helpers import tiny_config, write_tiny_model
 
     from tinyrt.converters import convert
@@ -418,7 +420,10 @@ def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind, family):
     over = {"smollm3": dict(num_hidden_layers=2, no_rope_layers=[1, 0]),
             "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=16,
                          rope_scaling={"rope_type": "longrope", "short_factor": [1.5, 2.0],
-                                       "long_factor": [3.0, 5.0]})}.get(family, {})
+                                       "long_factor": [3.0, 5.0]}),
+            "gemma3_text": dict(num_hidden_layers=2, sliding_window=3, query_pre_attn_scalar=6,
+                                layer_types=["sliding_attention", "full_attention"],
+                                hidden_act="gelu_pytorch_tanh")}.get(family, {})
     d = write_tiny_model(tmp_path / "m", tiny_config(**{
         "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
         "num_hidden_layers": 1, "model_type": family,

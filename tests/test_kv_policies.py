@@ -15,7 +15,8 @@ STEPS = 2000
 
 
 def _layout(n_layers, kv_heads, head_dim):
-    return KVLayout(n_layers, kv_heads, head_dim, 1 / 10000 ** (np.arange(head_dim // 2) / head_dim))
+    return KVLayout(n_layers, kv_heads, head_dim,
+                    [1 / 10000 ** (np.arange(head_dim // 2) / head_dim)] * n_layers)
 
 
 def test_sink_slots_and_positions():
@@ -40,6 +41,37 @@ def test_sink_slots_and_positions():
     c.allocate(3)
     c.rollback(2)                                 # nothing evicted yet: allowed
     assert c.next_pos == 1 and list(c.slot_positions()) == [0]
+
+
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+def test_sinks_are_re_rotated_by_each_layer_s_own_frequencies(device):
+    """Layers with two sets of RoPE frequencies (Gemma 3's sliding and global, a NoPE layer's
+    zeros): when the window moves, each layer's sink keys are its un-rotated keys rotated to
+    their new positions by that layer's frequencies (against rotations written here)."""
+    D = 8
+    freqs = [1 / 10000 ** (np.arange(D // 2) / D), 1 / 1e6 ** (np.arange(D // 2) / D),
+             np.zeros(D // 2)]
+    layers = [freqs[0], freqs[1], freqs[0], freqs[2]]
+    be = get_backend(device)
+    c = SinkCache(KVLayout(4, 2, D, layers), 8, be, CacheOptions(sinks=2, kv_type="f32"))
+
+    def rotate(x, f, p):                      # x [.., D] rotate-half by angles p * f
+        a = p * f
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        return np.concatenate([x1 * np.cos(a) - x2 * np.sin(a), x2 * np.cos(a) + x1 * np.sin(a)], -1)
+
+    raw = rng.standard_normal((4, 2, 2, D))        # [layer, head, sink, D], before rotation
+    pos = c.allocate(2)
+    for i in range(4):
+        k = np.stack([rotate(raw[i, :, t], layers[i], t) for t in range(2)]).astype(np.float32)
+        be.store_kv(*c.layer(i)[:2], c.layer(i).slots, k, k)
+    for _ in range(10):                            # the window moves: the sinks shift
+        pos = c.allocate(1)
+    assert c.sink_shift == pos[0] - 7 > 0
+    for i in range(4):
+        got = be.read_kv(*c.layer(i)[:2], 2)[0]           # [G, 2, D]
+        want = np.stack([rotate(raw[i, :, t], layers[i], t + c.sink_shift) for t in range(2)], 1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_window_is_sink_without_sinks():
@@ -170,8 +202,8 @@ class Oracle:
             q = qkv[:, :Q * D].reshape(T, Q, D)
             self.k[i] += list(qkv[:, Q * D:(Q + G) * D].reshape(T, G, D))
             self.v[i] += list(qkv[:, (Q + G) * D:].reshape(T, G, D))
-            q = ref.rope(q, *ref.rope_tables(m.inv_freq, q_pos))
-            k = ref.rope(np.stack([self.k[i][j] for j in kept]), *ref.rope_tables(m.inv_freq, k_pos))
+            q = ref.rope(q, *ref.rope_tables(m.layer_freqs[0], q_pos))
+            k = ref.rope(np.stack([self.k[i][j] for j in kept]), *ref.rope_tables(m.layer_freqs[0], k_pos))
             v = np.stack([self.v[i][j] for j in kept])
             a = ref.attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), q_pos, k_pos, m.scale)
             x = x + ref.linear(a.reshape(T, Q * D), L.o)
@@ -266,7 +298,7 @@ class H2OOracle:
         x = ref.embedding(m.embed, np.asarray(tokens))
         for i, L in enumerate(m.layers):
             qkv = ref.linear(ref.rmsnorm(x, L.input_norm, cfg.rms_norm_eps), L.qkv)
-            q = ref.rope(qkv[:, :Q * D].reshape(T, Q, D), *ref.rope_tables(m.inv_freq, q_idx))
+            q = ref.rope(qkv[:, :Q * D].reshape(T, Q, D), *ref.rope_tables(m.layer_freqs[0], q_idx))
             self.k[i] += list(qkv[:, Q * D:(Q + G) * D].reshape(T, G, D))
             self.v[i] += list(qkv[:, (Q + G) * D:].reshape(T, G, D))
             a = np.empty((T, Q, D))
@@ -276,7 +308,7 @@ class H2OOracle:
                 idx = np.array(kept)
                 k_at = np.where(idx < self.n_sink, idx + shift, idx)
                 kk = ref.rope(np.stack([self.k[i][j][g:g + 1] for j in kept]),
-                              *ref.rope_tables(m.inv_freq, k_at))[:, 0].astype(np.float64)
+                              *ref.rope_tables(m.layer_freqs[0], k_at))[:, 0].astype(np.float64)
                 vv = np.stack([self.v[i][j][g] for j in kept]).astype(np.float64)
                 s = np.einsum("trd,sd->rts", q[:, g * R:(g + 1) * R].astype(np.float64), kk) * m.scale
                 s[:, idx[None, :] > q_idx[:, None]] = -np.inf

@@ -37,8 +37,10 @@ def usable(model, cache) -> bool:
     be = model.backend
     return (be.name == "cuda" and not cache.quantized and getattr(cache, "slack", 0) == 0
             and type(cache) in (KVCache, SinkCache, H2OCache)
-            # (the step's frequencies are fixed: not longrope's, which change with the position)
-            and model.inv_freq_long is None)
+            # (one set of RoPE frequencies for every layer and every step: not Gemma 3's two, or
+            # NoPE layers', or longrope's, which change with the position)
+            and all(f is model.layer_freqs[0] for f in model.layer_freqs)
+            and model.layer_freqs_long is None)
 
 
 class DeviceSampler:
@@ -155,7 +157,7 @@ class DeviceDecoder:
             self.table = be.dev(cache.slot_pos[None], np.int64)
             self.slots = be.zeros((G, 1), np.int64)
             self.views = [(self.slots, self.table, None)] * L
-        self.inv_freq = t.as_tensor(np.asarray(model.inv_freq), device=dev)
+        self.inv_freq = t.as_tensor(np.asarray(model.layer_freqs[0]), device=dev)
         self.cos, self.sin = be.zeros((1, D // 2)), be.zeros((1, D // 2))
         self.attends = [self._attend(i) for i in range(L)]
         if self.n_sink and self.policy != gs.DENSE:
@@ -178,17 +180,16 @@ class DeviceDecoder:
     def _attend(self, i: int):
         be, cache, m = self.be, self.cache, self.model
         slots, table, score = self.views[i]
-        k_buf, v_buf = cache.k[i], cache.v[i]
+        k_buf, v_buf, window = cache.k[i], cache.v[i], m.config.window(i)
 
         def attend(q, k, v):
             be.store_kv(k_buf, v_buf, slots, k, v)
-            return be.attention(q, k_buf, v_buf, self.pos, table, m.scale,
-                                m.config.sliding_window, score)
+            return be.attention(q, k_buf, v_buf, self.pos, table, m.scale, window, score)
         return attend
 
     def _step(self) -> None:
         """One decode step, every launch reading its inputs from device memory."""
-        be, m, c = self.be, self.model, self.cache
+        m, c = self.model, self.cache
         gs.launch_begin(self.state, self.policy, self.n_sink, self.size, self.ring)
         if self.policy == gs.H2O:
             gs.launch_take_slot_h2o(self.state, self.slots, self.table, self.score, self.n_sink,
@@ -199,7 +200,7 @@ class DeviceDecoder:
             k, v = c._flat()
             gs.launch_rotate_sinks(k, v, self.sink_k, self.sink_v, self.state, self.inv_freq)
         gs.launch_rope_row(self.inv_freq, self.state, self.cos, self.sin)
-        h = m.decode_layers(be.embedding(m.embed, self.tok), self.cos, self.sin, self.attends)
+        h = m.decode_layers(m.embed_tokens(self.tok), self.cos, self.sin, self.attends)
         self.sampler(m.logits(h), self.tok)
 
     def step(self, token: int) -> int:

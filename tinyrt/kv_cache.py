@@ -202,18 +202,18 @@ class CacheOptions:
 
 
 class KVLayout(NamedTuple):
-    """What a cache must know of its model: sizes, and the RoPE frequencies [head_dim/2] (the
-    sink policy re-rotates its sinks' keys)."""
+    """What a cache must know of its model: sizes, and each layer's RoPE frequencies
+    [head_dim/2] (the sink policy re-rotates its sinks' keys)."""
 
     n_layers: int
     kv_heads: int
     head_dim: int
-    inv_freq: np.ndarray
+    layer_freqs: list
 
     @classmethod
     def of(cls, model) -> "KVLayout":
         c = model.config
-        return cls(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, model.inv_freq)
+        return cls(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, model.layer_freqs)
 
 
 class LayerView(NamedTuple):
@@ -449,16 +449,29 @@ class SinkCache(KVCache):
         n, shift = self.n_sink, self.sink_shift if shift is None else shift
         if not n or shift == self.rotated_shift:
             return
-        be, inv_freq = self.backend, self.layout.inv_freq
+        be, G = self.backend, self.kv_heads
         k_buf, v_buf = self._flat()
+
+        def rotated(k, positions, sign):      # k [n, L*G, D]: each layer's rows by its frequencies
+            groups = {}
+            for i, f in enumerate(self.layout.layer_freqs):
+                groups.setdefault(id(f), (f, []))[1].extend(range(i * G, (i + 1) * G))
+            if len(groups) == 1:
+                cos, sin = be.rope_tables(self.layout.layer_freqs[0], positions)
+                return be.rope(k, cos, sign * sin)
+            out = np.array(be.to_numpy(k), np.float32)        # (Gemma 3's two kinds of layer)
+            for f, rows in groups.values():
+                cos, sin = be.rope_tables(f, positions)
+                out[:, rows] = be.to_numpy(be.rope(out[:, rows], cos, sign * sin))
+            return out
+
         if self.sink_keys is None:       # rows [L*G, n, D] -> [n, L*G, D]
             k, v = (np.ascontiguousarray(a.transpose(1, 0, 2))
                     for a in be.read_kv(k_buf, v_buf, n))
-            cos, sin = be.rope_tables(inv_freq, np.arange(n))
-            self.sink_keys, self.sink_values = be.rope(k, cos, -sin), v
-        cos, sin = be.rope_tables(inv_freq, np.arange(n) + shift)
+            self.sink_keys, self.sink_values = rotated(k, np.arange(n), -1), v
         slots = np.tile(np.arange(n), (self.sink_keys.shape[1], 1))              # [L*G, n]
-        be.store_kv(k_buf, v_buf, slots, be.rope(self.sink_keys, cos, sin), self.sink_values)
+        be.store_kv(k_buf, v_buf, slots, rotated(self.sink_keys, np.arange(n) + shift, 1),
+                    self.sink_values)
         self.rotated_shift = shift
 
     def _check_chunk(self, n: int) -> None:

@@ -88,9 +88,10 @@ def shares_cache(target, draft) -> bool:
     (64 rows compared): a copy of the target, quantized or cut to its first layers, whose K/V of
     a token are the target's own but for its rounding."""
     a, b = target.config, draft.config
+    layers = range(b.num_hidden_layers)
     if (b.num_hidden_layers > a.num_hidden_layers or b.num_key_value_heads != a.num_key_value_heads
-            or b.head_dim != a.head_dim or b.sliding_window != a.sliding_window
-            or not np.array_equal(target.inv_freq, draft.inv_freq)):
+            or b.head_dim != a.head_dim or [a.window(i) for i in layers] != [b.window(i) for i in layers]
+            or not all(np.array_equal(f, g) for f, g in zip(target.layer_freqs, draft.layer_freqs))):
         return False
     rows = np.linspace(0, min(a.vocab_size, b.vocab_size) - 1, 64).astype(np.int64)
     ta, tb = (m.backend.to_numpy(m.backend.embedding(m.embed, rows)) for m in (target, draft))

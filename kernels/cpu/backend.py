@@ -162,18 +162,18 @@ class CpuBackend(reference.ReferenceBackend):
         return tokens <= SMALL_TOKENS and all(
             isinstance(w, QLinear) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
-    def decode_layer(self, x, layer, kv, pos, cos, sin, cfg):
+    def decode_layer(self, x, layer, kv, pos, cos, sin, cfg, window):
         """A few tokens x [T, H] through decoder layer `layer` (models.llama.Layer) over the
-        cache layer `kv` (kv_cache.LayerView), for a model of config `cfg` (the kernel
-        decode_layer)."""
+        cache layer `kv` (kv_cache.LayerView), for a model of config `cfg`, its attention
+        within `window` (None: all it holds) (the kernel decode_layer)."""
         x = np.array(x, np.float32)
         bias, q_norm, k_norm = (_NO_SCALES if w is None else w
                                 for w in (layer.qkv_bias, layer.q_norm, layer.k_norm))
         weights = (x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), layer.qkv,
                    bias, q_norm, k_norm, layer.o, layer.gate_up, layer.down)
         rest = (kv.slots, np.ascontiguousarray(pos, np.int64), kv.k_pos, _scores(kv.score), cos,
-                sin, cfg.num_attention_heads, np.float32(cfg.head_dim ** -0.5),
-                cfg.sliding_window or 0, self.threads)
+                sin, cfg.num_attention_heads, np.float32(cfg.attention_scale), window or 0,
+                self.threads)
         if isinstance(kv.k, kv_quant.QuantKV):
             decode_layer_q(*weights, *_quant_arrays(kv.k), *rest)
         else:

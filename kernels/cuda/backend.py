@@ -129,6 +129,12 @@ class CudaBackend(reference.ReferenceBackend):
         launch_rope(x, self.dev(cos), self.dev(sin), y)
         return y
 
+    def geglu(self, gu):
+        gu = self.dev(gu)
+        I = gu.shape[-1] // 2
+        gelu = self.torch.nn.functional.gelu(gu[..., :I], approximate="tanh")
+        return gelu * gu[..., I:]
+
     def swiglu(self, gu):
         gu = self.dev(gu)
         y = self.empty((gu.shape[0], gu.shape[1] // 2))
