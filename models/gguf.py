@@ -400,8 +400,11 @@ class GGUFFile:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
-        if rot is not None and rot != head_dim:       # (a share that gives back rot exactly)
+        if rot is not None and rot != head_dim:
             cfg["partial_rotary_factor"] = rot / head_dim
+            if type(rot) is not int or int(head_dim * (rot / head_dim)) != rot:
+                raise ModelFormatError(f"{self.path}: metadata {self.arch}.rope.dimension_count "
+                                       f"{rot} is not a share of head dim {head_dim}")
         window = self._int("attention.sliding_window")
         if window and self.family.model_type in ("llama", "mistral"):
             cfg["model_type"], cfg["architectures"] = "mistral", ["MistralForCausalLM"]

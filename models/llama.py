@@ -159,8 +159,11 @@ class LlamaModel:
         """Layer i prepared by `backend` from `tensor(HF tensor name)` (a float array) and
         `linear(HF module name)` (a float weight [out, in] or a kernels.quant.QuantWeight)."""
         p = f"model.layers.{i}."
-        parts = {f: [linear(p + n) for n in names] for f, names in cls.linears.items()}
-        parts["qkv"] = qkv_rows(cfg, parts["qkv"])
+
+        def prepared(f: str):                  # (one projection's source in memory at a time)
+            parts = [linear(p + n) for n in cls.linears[f]]
+            return backend.prepare_linear(qkv_rows(cfg, parts) if f == "qkv" else parts)
+
         bias = None
         if cls.qkv_bias:
             bias = np.concatenate([np.asarray(tensor(p + n + ".bias"), np.float32)
@@ -169,7 +172,7 @@ class LlamaModel:
         norms = {**cls.norms, **(QK_NORMS if cls.qk_norm else {})}
         return Layer(**{f: cls.prepare_norm(backend, tensor(p + n + ".weight"))
                         for f, n in norms.items()},
-                     **{f: backend.prepare_linear(ws) for f, ws in parts.items()}, qkv_bias=bias)
+                     **{f: prepared(f) for f in cls.linears}, qkv_bias=bias)
 
     @classmethod
     def prepare_norm(cls, backend, w):

@@ -256,7 +256,9 @@ def test_llama_cpp_s_own_gguf_runs_as_transformers(tmp_path, family, outtype):
         assert llm.model.config.model_type == family
         got[device] = llm.model.backend.to_numpy(llm.model.forward(ids, llm.cache,
                                                                    all_logits=True))
-        assert rel_err(got[device], want) < (1e-4 if outtype == "f32" else 3e-2), device
+        # (Q8_0: up to 3.0e-2 seen over seeds, Gemma 3's six layers the most; a layout wrong
+        # anywhere gives errors near 1)
+        assert rel_err(got[device], want) < (1e-4 if outtype == "f32" else 6e-2), device
     assert rel_err(got["cpu"], got["reference"]) < 1e-4
 
 
