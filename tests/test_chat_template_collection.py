@@ -2,7 +2,6 @@
 llama-cpp-python sdist): every conversation that transformers renders with one of them, tinyrt's
 bounded sandbox renders to the same text."""
 
-import pytest
 
 from llama_cpp_files import llama_cpp_dir
 from tinyrt.chat_template import ChatTemplate

@@ -306,7 +306,7 @@ def test_h2o_on_codes_keeps_h2o_s_tokens_and_fills_a_few_blocks_at_a_time():
     another: most new tokens go to the block the one before went to (taking their victims'
     slots, they would go to any block)."""
     rng = np.random.default_rng(13)
-    layout = KVLayout(2, 3, 16, np.ones(8, np.float32))
+    layout = KVLayout(2, 3, 16, [np.ones(8, np.float32)] * 2)
     opts = dict(kv_policy="h2o", kv_size=40, sinks=2, recent=4)
     caches = [make_cache_for(layout, CacheOptions(**opts)),
               make_cache_for(layout, CacheOptions(**opts, kv_type="q4", kv_group=8))]

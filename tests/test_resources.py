@@ -23,8 +23,8 @@ def test_a_cache_that_does_not_fit_is_refused_before_allocating(policy):
     be = get_backend("reference")
     with pytest.raises(TinyrtError, match=r"KV cache of 1,000,000,000,000 tokens needs [\d,]+ MiB but "
                                           r"[\d,]+ MiB of memory is available: choose a smaller"):
-        POLICIES[policy](KVLayout(32, 8, 128, np.ones(64)), 10**12, be, CacheOptions(policy))
-    assert POLICIES[policy](KVLayout(2, 2, 16, np.ones(8)), 64, be, CacheOptions(policy)).capacity == 64
+        POLICIES[policy](KVLayout(32, 8, 128, [np.ones(64)] * 32), 10**12, be, CacheOptions(policy))
+    assert POLICIES[policy](KVLayout(2, 2, 16, [np.ones(8)] * 2), 64, be, CacheOptions(policy)).capacity == 64
 
 
 def test_a_model_larger_than_free_memory_is_refused(tmp_path, monkeypatch):

@@ -90,7 +90,8 @@ def shares_cache(target, draft) -> bool:
     a, b = target.config, draft.config
     layers = range(b.num_hidden_layers)
     if (b.num_hidden_layers > a.num_hidden_layers or b.num_key_value_heads != a.num_key_value_heads
-            or b.head_dim != a.head_dim or [a.window(i) for i in layers] != [b.window(i) for i in layers]
+            or b.head_dim != a.head_dim
+            or [a.window(i) for i in layers] != [b.window(i) for i in layers]
             or not all(np.array_equal(f, g) for f, g in zip(target.layer_freqs, draft.layer_freqs))):
         return False
     rows = np.linspace(0, min(a.vocab_size, b.vocab_size) - 1, 64).astype(np.int64)

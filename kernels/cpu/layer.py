@@ -56,9 +56,10 @@ def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, q_norm, k_norm, o, gate
     of quantized linears (QLinear: qkv, o, gate_up, down), in place; their K/V go to `slots`
     [G, T] of the cache buffers k_buf, v_buf [G, S, D] (k_pos [G, S] already holds their
     positions `pos` [T]; score as for attention_decode); qkv_b [(Q+2G)*D] the q/k/v biases, or
-    empty: none; q_norm, k_norm [D] the per-head norms of q and k, or empty: none. The ops of the model file's layer (models.llama LlamaModel.layer) in a single
-    call, so the costs of a call from Python are paid once per layer; each token's result is
-    the one it gets alone, to the bit."""
+    empty: none; q_norm, k_norm [D] the per-head norms of q and k, or empty: none. The ops of
+    the model file's layer (models.llama LlamaModel.layer) in a single call, so the costs of a
+    call from Python are paid once per layer; each token's result is the one it gets alone, to
+    the bit."""
     q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, q_norm, k_norm, cos, sin, n_heads,
                          k_buf.shape[0], k_buf.shape[2], threads)
     store_kv(k_buf, v_buf, slots, k, v)
