@@ -29,7 +29,7 @@ from soak import rss_mb
 
 
 def stream(llm, text, policy, size, sinks, tokens, progress=None, skip=0):
-    from tinyrt.kv_cache import CacheOptions
+    from tinyrt.kv_options import CacheOptions
     from tinyrt.perplexity import stream_perplexity
 
     return stream_perplexity(llm, text, CacheOptions(policy, size, sinks=sinks),
@@ -110,7 +110,8 @@ def budget(llm, text, args):
 
 
 def speed(llm, args):
-    from tinyrt.kv_cache import CacheOptions, make_cache
+    from tinyrt.kv_cache import make_cache
+    from tinyrt.kv_options import CacheOptions
 
     model = llm.model
     ids = np.random.default_rng(0).integers(100, 10000, 2 * args.kv_size)

@@ -29,14 +29,14 @@ TYPES = ("f16", "q8", "q4", "q2")
 
 
 def options(**kw):
-    from tinyrt.kv_cache import CacheOptions
+    from tinyrt.kv_options import CacheOptions
 
     return CacheOptions(**kw)
 
 
 def bytes_table(llm, args):
     from tinyrt.kernels import kv_quant
-    from tinyrt.kv_cache import DEFAULT_GROUPS
+    from tinyrt.kv_options import DEFAULT_GROUPS
 
     cfg = llm.config
     out = {}
@@ -58,7 +58,7 @@ def bytes_table(llm, args):
 
 def quality(llm_for, text, args):
     from tinyrt.perplexity import stream_perplexity
-    from tinyrt.kv_cache import DEFAULT_GROUPS, DEFAULT_RESIDUAL
+    from tinyrt.kv_options import DEFAULT_GROUPS, DEFAULT_RESIDUAL
 
     policies = {"dense": ("dense", args.tokens, args.tokens), "sink 4+1020": ("sink", 1024, args.tokens),
                 "h2o 20% of 2048": ("h2o", 410, 2048)}

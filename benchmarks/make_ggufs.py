@@ -14,6 +14,13 @@
                      here), ~6.4 GB in float16
     llama7b-f16, llama7b-q4km, llama7b-q4_0   the same for Llama-2-7B's shape (hidden 4096,
                      32 layers, 32 heads and KV heads, FFN 11008), ~13.7 GB in float16
+    qwen3-f16, qwen3-q4km, gemma3-f16, gemma3-q4km, phi4mini-f16, phi4mini-q4km
+                     random-weight models of Qwen3-1.7B's, Gemma-3-1B's and Phi-4-mini's shapes
+                     (their config.json's values, their vocabulary sizes: the default model's
+                     tokenizer padded with unused tokens), written as HF checkpoints (float16,
+                     streamed) and converted by llama.cpp's own convert_hf_to_gguf.py (from
+                     the llama-cpp-python sdist, tests/llama_cpp_files.py), so that their
+                     metadata and tensor layout are llama.cpp's; then its Q4_K_M
     {shape}-rtn      tinyrt's own model directory of the shape's float file, round-to-nearest
                      4-bit in groups of 128 (`tinyrt convert F16 DIR --method rtn --group-size
                      128`), for gguf_peers.py --model-dir
@@ -24,7 +31,7 @@
     python benchmarks/make_ggufs.py --types FILE.gguf ...  # tensor types per tensor kind
 
 Files: DIR/smollm2-135m.Q4_K_M.gguf, DIR/{tinyllama,llama3b,llama7b}-shape.{f16,Q4_K_M,Q4_0}.gguf,
-and the directories DIR/{shape}-shape.rtn-g128.
+DIR/{qwen3,gemma3,phi4mini}-shape.{f16,Q4_K_M}.gguf and the directories DIR/{shape}-shape.rtn-g128.
 All use the default model's tokenizer (vocab 49152), so that both engines tokenize alike. A file
 that exists is kept (--force remakes it). The random weights are N(0, 0.02) (the output projections, attn_output
 and ffn_down, 0.02 / sqrt(2 * layers), as GPT-2 initializes them), norms 1 + N(0, 0.02), the same
@@ -160,6 +167,107 @@ def write_random_llama(dst: Path, tokenizer_src: Path, seed: int = 0, *, name: s
     tmp.rename(dst)
 
 
+# families beside Llama, at real models' shapes (their config.json's values, the Phi-4-mini
+# longrope factors made up: they change angles, not work), with the default model's tokenizer
+# (its pre-tokenizer, bos and eos; padded to their vocabulary sizes by llama.cpp's converter)
+FAMILY_SHAPES = {
+    "qwen3": dict(                                              # Qwen3-1.7B
+        model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        tie_word_embeddings=True),
+    "gemma3": dict(                                           # Gemma-3-1B
+        model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=512,
+        query_pre_attn_scalar=256, tie_word_embeddings=True, pad_token_id=0,
+        layer_types=["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(26)],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    "phi4mini": dict(                                          # Phi-4-mini
+        model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=24, num_key_value_heads=8, vocab_size=200064,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=262144,
+        tie_word_embeddings=True, pad_token_id=0,
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": [round(1 + 0.2 * i / 47, 4) for i in range(48)],
+                      "long_factor": [round(40 ** (i / 47), 4) for i in range(48)]}),
+}
+
+
+def write_random_hf(dst: Path, tokenizer_src: Path, config: dict, seed: int = 0) -> None:
+    """An HF checkpoint of random weights (float16, one tensor in memory at a time) with the
+    config `config` (made and saved by transformers) and the tokenizer of `tokenizer_src`. The
+    tensors' names and shapes are those of transformers' model of that config, made on the
+    meta device (no memory)."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tinyrt.gguf_tokenizer import tokenizer_files
+    from tinyrt.models.gguf import GGUFFile
+
+    cfg = AutoConfig.for_model(**config, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    cfg.architectures = [type(model).__name__]
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    dst.mkdir(parents=True)
+    cfg.save_pretrained(dst)
+    files = tokenizer_files(GGUFFile(tokenizer_src))
+    # padded with unused tokens to the vocabulary size, as llama.cpp's converter counts it (the
+    # vocabulary and the added tokens: it cuts Gemma's embedding rows to that many)
+    tok = json.loads(files["tokenizer.json"])
+    vocab = tok["model"]["vocab"]
+    for i in range(len(vocab), cfg.vocab_size - len(tok["added_tokens"])):
+        vocab[f"<unused{i}>"] = i
+    files["tokenizer.json"] = json.dumps(tok)
+    for name, text in files.items():
+        (dst / name).write_text(text)
+    layers = cfg.num_hidden_layers
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        size = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    gemma = config["model_type"].startswith("gemma")
+    with open(dst / "model.safetensors", "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for i, (name, shape) in enumerate(shapes.items()):
+            x = np.random.default_rng([seed, i]).standard_normal(shape, dtype=np.float32)
+            if name.endswith("norm.weight"):      # Gemma's norms scale by 1 + w
+                x = 0.02 * x + (0 if gemma else 1)
+            else:
+                x *= 0.02 / np.sqrt(2 * layers) if name.endswith(("o_proj.weight",
+                                                                   "down_proj.weight")) else 0.02
+            f.write(x.astype(np.float16).tobytes())
+            del x
+
+
+def write_family_gguf(dst: Path, tokenizer_src: Path, shape: str, seed: int = 0) -> None:
+    """The float16 GGUF of FAMILY_SHAPES[shape] as llama.cpp's own converter writes it (from a
+    random HF checkpoint, removed after)."""
+    import shutil
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from llama_cpp_files import convert_with_llama_cpp
+
+    config = FAMILY_SHAPES[shape]
+    with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
+        write_random_hf(Path(tmp) / "hf", tokenizer_src, config, seed)
+        part = dst.with_name(dst.name + ".part")
+        convert_with_llama_cpp(Path(tmp) / "hf", part, "f16", pre="smollm", timeout=3600)
+        shutil.rmtree(Path(tmp) / "hf")
+        part.rename(dst)
+
+
 def tensor_types(path: Path) -> dict[str, collections.Counter]:
     """Tensor kind (the name without blk.N.) -> Counter of GGML types."""
     from gguf import GGUFReader
@@ -187,7 +295,8 @@ def convert_rtn(src: Path, dst: Path) -> None:
     convert(src, dst, method="rtn", group_size=128)
 
 
-TARGETS = ["smollm2-q4km"] + [f"{s}-{t}" for s in SHAPES for t in ("f16", *QUANT_TYPES, "rtn")]
+TARGETS = (["smollm2-q4km"] + [f"{s}-{t}" for s in SHAPES for t in ("f16", *QUANT_TYPES, "rtn")]
+           + [f"{s}-{t}" for s in FAMILY_SHAPES for t in ("f16", "q4km")])
 DEFAULT_TARGETS = ["smollm2-q4km", "tinyllama-f16", "tinyllama-q4km", "tinyllama-q4_0"]
 
 
@@ -214,7 +323,8 @@ def main() -> int:
         ap.error(f"unknown target {bad[0]!r} (known: {', '.join(TARGETS)}, all)")
     asked = set(TARGETS if "all" in args.targets else args.targets or DEFAULT_TARGETS)
     # a quantized file needs its float file (made if missing, not remade by --force)
-    needed = asked | {t.split("-")[0] + "-f16" for t in asked if t.split("-")[0] in SHAPES}
+    needed = asked | {t.split("-")[0] + "-f16" for t in asked
+                      if t.split("-")[0] in (*SHAPES, *FAMILY_SHAPES)}
     targets = [t for t in TARGETS if t in needed]
     args.out.mkdir(parents=True, exist_ok=True)
     source = args.source or default_gguf()
@@ -230,6 +340,12 @@ def main() -> int:
                                                                              args.threads))
         jobs[f"{shape}-rtn"] = (args.out / SHAPED_RTN.format(shape),
                                 lambda d, f16=f16: convert_rtn(f16, d))
+    for shape in FAMILY_SHAPES:
+        f16 = args.out / SHAPED.format(shape, "f16")
+        jobs[f"{shape}-f16"] = (f16, lambda d, shape=shape: write_family_gguf(d, source, shape,
+                                                                              args.seed))
+        jobs[f"{shape}-q4km"] = (args.out / SHAPED.format(shape, "Q4_K_M"),
+                                 lambda d, f16=f16: quantize(f16, d, "MOSTLY_Q4_K_M", args.threads))
     for name in targets:
         dst, make = jobs[name]
         if dst.exists() and not (args.force and name in asked):

@@ -20,3 +20,6 @@ class Family:
     gguf_permuted_qk: bool = True
     # HF config dict -> the dict the config dataclass reads (keys this family uses otherwise)
     adapt_config: Callable[[dict], dict] = staticmethod(lambda d: d)
+    # (a GGUF file's config dict of the keys every family has, its attention.sliding_window or
+    # None) -> the file's config dict: what llama.cpp's files of the family leave unsaid
+    gguf_config: Callable[[dict, int | None], dict] = staticmethod(lambda d, window: d)

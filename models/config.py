@@ -10,7 +10,7 @@ from typing import Any
 
 from tinyrt.errors import ModelFormatError
 
-from .families import family
+from .families import family, text_config
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")     # of the gated MLP: SwiGLU, GeGLU (Gemma)
@@ -163,7 +163,7 @@ class ModelConfig:
     def _from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         if not isinstance(d, dict):
             raise ModelFormatError("the config is not a JSON object")
-        d = dict(d)
+        d = text_config(dict(d))
         if isinstance(d.get("model_type", "llama"), str):
             d = family(d.get("model_type", "llama")).adapt_config(d)
         # transformers 5 writes rope settings under `rope_parameters`; older files use the two keys.
@@ -319,6 +319,11 @@ class ModelConfig:
         """longrope's original context: past it, the long factors apply."""
         s = self.rope_scaling or {}
         return s.get("original_max_position_embeddings", self.original_max_position_embeddings)
+
+    @property
+    def geglu(self) -> bool:
+        """Whether the gated MLP is GeGLU (GELU's tanh form: Gemma) rather than SwiGLU."""
+        return self.hidden_act == "gelu_pytorch_tanh"
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: it attends to all it holds)."""

@@ -16,11 +16,30 @@ from .smollm3 import SMOLLM3
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, GEMMA3, PHI3, QWEN2, QWEN3, SMOLLM3)}
 
 
+# vision-language checkpoints whose text part tinyrt runs (their weights: models.weights.TEXT_MODEL):
+# model_type -> their `text_config`'s
+MULTIMODAL = {"gemma3": "gemma3_text"}
+
+
+def text_config(d: dict) -> dict:
+    """The config dict of a vision-language checkpoint's text model (`d` itself for others):
+    its `text_config`, with the token ids and settings the checkpoint gives outside it."""
+    if not isinstance(d.get("model_type"), str) or d["model_type"] not in MULTIMODAL:
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelFormatError(f"a {d['model_type']} config needs a text_config object")
+    outer = {k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
+                               "tie_word_embeddings", "torch_dtype", "dtype") if k in d}
+    return {**outer, **text, "model_type": MULTIMODAL[d["model_type"]]}
+
+
 def family(model_type: str) -> Family:
     """The family of an HF `model_type`; a clear error for one tinyrt does not run."""
     if model_type not in FAMILIES:
         raise ModelFormatError(f"unsupported architecture {model_type!r}: tinyrt runs "
-                               f"{', '.join(FAMILIES)} decoders")
+                               f"{', '.join(FAMILIES)} decoders (and the text part of "
+                               f"{', '.join(MULTIMODAL)})")
     return FAMILIES[model_type]
 
 

@@ -16,7 +16,6 @@ MAX_LAYERS = 1 << 16     # a layer_types list is built for the layers: no real m
 
 class Gemma3Model(LlamaModel):
     qk_norm = True
-    fusable = False       # (the fused CPU layer has neither output norms nor GeGLU)
     norms = {"input_norm": "input_layernorm", "post_norm": "pre_feedforward_layernorm",
              "attn_out_norm": "post_attention_layernorm",
              "mlp_out_norm": "post_feedforward_layernorm"}
@@ -36,8 +35,16 @@ def layer_types(n_layers, pattern) -> list[str] | None:
             for i in range(n_layers)]
 
 
+# what transformers' Gemma3TextConfig takes for a key its config.json leaves out (the text
+# configs inside Gemma 3's vision-language checkpoints leave out most)
+DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                max_position_embeddings=131072, rms_norm_eps=1e-6, sliding_window=4096,
+                hidden_act="gelu_pytorch_tanh")
+
+
 def adapt_config(d: dict) -> dict:
-    d = dict(d)
+    d = {**DEFAULTS, **d}
     if d.get("use_bidirectional_attention"):
         raise ModelFormatError("Gemma 3 with use_bidirectional_attention is not supported")
     if "hidden_activation" in d:
@@ -60,5 +67,12 @@ def adapt_config(d: dict) -> dict:
     return d
 
 
+def gguf_config(d: dict, window: int | None) -> dict:
+    # what llama.cpp's Gemma 3 fixes rather than reads: the activation, attention scaled by
+    # head_dim ** -0.5, the sliding layers' RoPE base (its layer pattern: adapt_config's default)
+    return {**d, "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": d["head_dim"],
+            "rope_local_base_freq": 10_000.0, "sliding_window": window}
+
+
 GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", Gemma3Model, gguf_arch="gemma3",
-                gguf_permuted_qk=False, adapt_config=adapt_config)
+                gguf_permuted_qk=False, adapt_config=adapt_config, gguf_config=gguf_config)

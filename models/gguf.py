@@ -405,15 +405,7 @@ class GGUFFile:
             if type(rot) is not int or int(head_dim * (rot / head_dim)) != rot:
                 raise ModelFormatError(f"{self.path}: metadata {self.arch}.rope.dimension_count "
                                        f"{rot} is not a share of head dim {head_dim}")
-        window = self._int("attention.sliding_window")
-        if window and self.family.model_type in ("llama", "mistral"):
-            cfg["model_type"], cfg["architectures"] = "mistral", ["MistralForCausalLM"]
-            cfg["sliding_window"] = window
-        elif window and self.family.model_type == "phi3":
-            cfg["sliding_window"] = window
-        if self.family.model_type == "gemma3_text":      # (llama.cpp's fixed Gemma 3 settings)
-            cfg.update(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
-                       rope_local_base_freq=10_000.0, sliding_window=window or None)
+        cfg = self.family.gguf_config(cfg, self._int("attention.sliding_window") or None)
         scaling = self._rope_scaling(cfg)
         if scaling:
             cfg["rope_scaling"] = scaling

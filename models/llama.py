@@ -237,8 +237,7 @@ class LlamaModel:
     def mlp(be, cfg: ModelConfig, L: Layer, h):
         """The gated MLP of layer L (SwiGLU; Gemma's GeGLU) for normed inputs h [T, H] -> [T, H]."""
         gu = be.linear(h, L.gate_up)
-        return be.linear(be.geglu(gu) if cfg.hidden_act == "gelu_pytorch_tanh" else be.swiglu(gu),
-                         L.down)
+        return be.linear(be.geglu(gu) if cfg.geglu else be.swiglu(gu), L.down)
 
     @classmethod
     def layer(cls, be, cfg: ModelConfig, L: Layer, x, cos, sin, attend: Attend):
@@ -338,6 +337,14 @@ class LlamaModel:
         return attend
 
 
-LLAMA = Family("llama", "LlamaForCausalLM", LlamaModel)
-MISTRAL = Family("mistral", "MistralForCausalLM", LlamaModel)
+def gguf_config(d: dict, window: int | None) -> dict:
+    # llama.cpp writes Mistral's files as "llama": its sliding window tells them apart
+    if window:
+        return {**d, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                "sliding_window": window}
+    return d
+
+
+LLAMA = Family("llama", "LlamaForCausalLM", LlamaModel, gguf_config=gguf_config)
+MISTRAL = Family("mistral", "MistralForCausalLM", LlamaModel, gguf_config=gguf_config)
 

@@ -28,4 +28,5 @@ def adapt_config(d: dict) -> dict:
 
 
 PHI3 = Family("phi3", "Phi3ForCausalLM", Phi3Model, gguf_permuted_qk=False,
-              adapt_config=adapt_config)
+              adapt_config=adapt_config,
+              gguf_config=lambda d, window: {**d, "sliding_window": window} if window else d)

@@ -145,6 +145,12 @@ class SafetensorsFile:
         return buf.view(DTYPES[dtype]).reshape(shape)
 
 
+# where a vision-language checkpoint keeps its text model: (prefix of the decoder's tensors, the
+# head's name) as transformers 5 saves it, and as the checkpoints published before it have it
+TEXT_MODEL = (("model.language_model.", "lm_head.weight"),
+              ("language_model.model.", "language_model.lm_head.weight"))
+
+
 class WeightStore:
     """All tensors of a model directory: `model.safetensors`, or shards named by
     `model.safetensors.index.json`. Name -> mapped array."""
@@ -165,10 +171,25 @@ class WeightStore:
                 raise ModelFormatError(f"{self.directory} has no .safetensors weights")
             files = found
         self.files = [SafetensorsFile(self.directory / f) for f in files]
-        self._where: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, tuple[SafetensorsFile, str]] = {}    # name -> (file, its name there)
         for f in self.files:
             for k in f.keys():
-                self._where[k] = f
+                self._where[k] = (f, k)
+        self._text_part()
+
+    def _text_part(self) -> None:
+        """A vision-language checkpoint (Gemma 3's 4B and up): its language model's tensors go
+        by the names of a text model's, and the rest (the vision tower, its projector) are not
+        read. Its text model sits under one of TEXT_MODEL's prefixes, by the transformers
+        version that saved it."""
+        for prefix, head in TEXT_MODEL:
+            if prefix + "embed_tokens.weight" in self._where:
+                where = self._where
+                self._where = {"model." + k[len(prefix):]: v for k, v in where.items()
+                               if k.startswith(prefix)}
+                if head in where:
+                    self._where["lm_head.weight"] = where[head]
+                return
 
     def _shards(self, index: Path, contents: dict) -> list[str]:
         try:
@@ -190,15 +211,18 @@ class WeightStore:
         return list(self._where)
 
     def dtype(self, name: str) -> str:
-        return self._where[name].dtype(name)
+        f, stored = self._where[name]
+        return f.dtype(stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._where[name].shape(name)
+        f, stored = self._where[name]
+        return f.shape(stored)
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise ModelFormatError(f"{self.directory}: tensor {name!r} is missing")
-        return self._where[name].get(name)
+        f, stored = self._where[name]
+        return f.get(stored)
 
     def check_dtype(self, name: str, allowed: tuple[str, ...], what: str) -> None:
         """Refuse tensor `name` unless stored as one of `allowed` (safetensors dtypes), before
@@ -231,7 +255,7 @@ class WeightStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(e[3] for f in self.files for e in f.entries.values())
+        return sum(f.entries[stored][3] for f, stored in self._where.values())
 
 
 def _mapped_root(a) -> np.ndarray | None:

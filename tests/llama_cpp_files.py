@@ -81,13 +81,13 @@ convert_hf_to_gguf.main()
 
 
 def convert_with_llama_cpp(model: Path, out: Path, outtype: str = "f32",
-                           pre: str = "gpt-2") -> Path:
+                           pre: str = "gpt-2", timeout: float = 600) -> Path:
     """`model` (an HF directory) -> the GGUF llama.cpp's convert_hf_to_gguf.py writes of it
-    (`outtype`: f32, f16, bf16 or q8_0, its own quantizer)."""
+    (`outtype`: f32, f16, bf16 or q8_0, its own quantizer), within `timeout` seconds."""
     script = llama_cpp_dir() / "convert_hf_to_gguf.py"
     p = subprocess.run([sys.executable, "-c", CONVERT, str(script), pre, str(model),
                         "--outfile", str(out), "--outtype", outtype],
-                       capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                        env={**os.environ, "NO_LOCAL_GGUF": "1"})
     assert p.returncode == 0 and out.is_file(), p.stderr[-3000:]
     return out

@@ -17,7 +17,8 @@ from tinyrt.converters.quantize import dequantize, fake_quantize, pack_linear, q
 from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import awq_layout, get_backend, quant
 from tinyrt.kernels.reference import int8_rows
-from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.kv_cache import make_cache
+from tinyrt.kv_options import CacheOptions
 from tinyrt.models.config import ModelConfig
 from tinyrt.models import WeightStore, linear_shapes, load_model
 

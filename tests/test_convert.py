@@ -11,7 +11,8 @@ from helpers import (byte_level_tokenizer, hf_logits, hf_model, random_weights, 
 from tinyrt.converters import convert
 from tinyrt.errors import ModelFormatError, TinyrtError
 from tinyrt.kernels import get_backend
-from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.kv_cache import make_cache
+from tinyrt.kv_options import CacheOptions
 from tinyrt.models import ModelConfig, WeightStore, load_model
 from tinyrt.models.rope import rope_inv_freq
 

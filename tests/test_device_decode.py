@@ -10,7 +10,8 @@ from helpers import fit_p, rel_err, seeded_rng, tiny_config, write_tiny_model
 from tinyrt import device_decode
 from tinyrt.kernels.cuda import CudaBackend, step as gs
 from tinyrt.kernels import reference as ref
-from tinyrt.kv_cache import SCORE_DECAY, SCORE_FLOOR, CacheOptions, KVLayout, POLICIES
+from tinyrt.kv_cache import SCORE_DECAY, SCORE_FLOOR, KVLayout, POLICIES
+from tinyrt.kv_options import CacheOptions
 from tinyrt.sampling import Sampler, SamplingParams, filtered_probs
 
 pytestmark = pytest.mark.usefixtures("quick_barriers")

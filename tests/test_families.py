@@ -174,6 +174,44 @@ def test_awq_search_that_is_not_written_for_a_family_is_refused(tmp_path, family
     assert tinyrt.LLM(q, device="reference").generate("hi", max_tokens=2, temperature=0) is not None
 
 
+@pytest.mark.parametrize("layout", ["transformers 5", "published"])
+def test_gemma3_vision_language_checkpoint_runs_its_text_part(tmp_path, layout):
+    """A Gemma 3 vision-language checkpoint (model_type gemma3: a text_config, a vision tower
+    and its projector beside the language model) runs its text part: logits of a text prompt
+    within 1e-4 of transformers' Gemma3ForConditionalGeneration's, with its tensors named as
+    transformers 5 saves them or as the published checkpoints have them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    text = CONFIGS["gemma3_text"](True)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=32, patch_size=16)
+    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                       mm_tokens_per_image=4, image_token_index=SIZES["vocab_size"] - 1)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p), alpha=0.2)
+    d = tmp_path / "mm"
+    model.save_pretrained(d)
+    if layout == "published":           # language_model.model.* (and language_model.lm_head)
+        w = load_file(str(d / "model.safetensors"))
+        w = {k.replace("model.language_model.", "language_model.model.")
+              .replace("model.vision_tower.", "vision_tower."): v for k, v in w.items()}
+        save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    byte_level_tokenizer(SIZES["vocab_size"]).save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML}))
+    ids = rng.integers(3, SIZES["vocab_size"] - 1, 30)
+    llm = tinyrt.LLM(d, device="cpu", kv_type="f32")
+    assert llm.config.model_type == "gemma3_text" and llm.config.num_hidden_layers == 2
+    got = llm.model.backend.to_numpy(llm.model.forward(ids, llm.cache, all_logits=True))
+    assert rel_err(got, hf_logits(model, ids)) < 1e-4
+
+
 @pytest.mark.parametrize("device", ["cpu", "reference"])
 def test_phi3_longrope_past_the_original_context(tmp_path, device):
     """A pass whose positions reach past longrope's original context (64 tokens here) rotates

@@ -11,7 +11,8 @@ from tinyrt.converters import convert
 from tinyrt.models.gguf import unpermute
 from tinyrt.errors import ModelFormatError
 from tinyrt.kernels import get_backend
-from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.kv_cache import make_cache
+from tinyrt.kv_options import CacheOptions
 from tinyrt.models import WeightStore, load_model
 
 

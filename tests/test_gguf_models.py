@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf_helpers import write_gguf
 from helpers import byte_level_tokenizer, rel_err, random_weights, tiny_config, write_tiny_model
 from tinyrt.kernels import QuantWeight, get_backend
-from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.kv_cache import make_cache
+from tinyrt.kv_options import CacheOptions
 from tinyrt.models import load_model
 from tinyrt.models.gguf_quants import FORMS, GGUF_TO_QUANT
 

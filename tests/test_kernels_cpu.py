@@ -11,7 +11,8 @@ from tinyrt.kernels import cpu, get_backend, quant
 from tinyrt.kernels.cpu import CpuBackend
 from tinyrt.kernels import reference as ref
 from tinyrt import kv_cache
-from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.kv_cache import make_cache
+from tinyrt.kv_options import CacheOptions
 from tinyrt.models import FAMILIES
 
 rng = seeded_rng(__name__)
@@ -215,13 +216,17 @@ def test_int8_head():
 
 
 @pytest.mark.parametrize("T, H", [(1, 96), (7, 576), (3, 33)])
-def test_rmsnorm_swiglu(T, H):
+def test_rmsnorm_swiglu_geglu(T, H):
     x, w = rng.standard_normal((T, H)).astype(np.float32), rng.standard_normal(H).astype(np.float32)
     np.testing.assert_allclose(cpu.ops.rmsnorm(x, w, 1e-5), ref.rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
     gu = rng.standard_normal((T, 2 * H)).astype(np.float32) * 10     # gate (large: tails of exp), up
     gu[0, :3] = [-1e4, 1e4, 0]
-    want = ref.ReferenceBackend.swiglu(gu)
-    np.testing.assert_allclose(CpuBackend().swiglu(gu), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(CpuBackend().swiglu(gu), ref.ReferenceBackend.swiglu(gu),
+                               rtol=1e-5, atol=1e-6)
+    # GELU's tanh form in float64 (float32's 1 + tanh z loses digits where tanh z nears -1)
+    g, up = gu[:, :H].astype(np.float64), gu[:, H:]
+    gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+    np.testing.assert_allclose(CpuBackend().geglu(gu), gelu * up, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("T, N, D", [(1, 9, 64), (5, 3, 16), (13, 8, 128)])
@@ -423,11 +428,16 @@ FUSED_CASES = {"llama": (4, 2, None, "dense"), "llama-mha": (8, 8, None, "dense"
                "mistral": (8, 2, 5, "dense"), "llama-h2o": (4, 2, None, "h2o"),
                "qwen2": (4, 2, None, "dense"), "qwen2-h2o": (8, 2, None, "h2o"),
                "qwen3": (4, 2, None, "dense"), "smollm3": (4, 2, None, "dense"),
-               "phi3": (4, 2, 7, "dense")}
+               "phi3": (4, 2, 7, "dense"), "gemma3_text": (4, 2, 5, "dense"),
+               "gemma3_text-h2o": (4, 1, 5, "h2o")}
 FAMILY_OVER = {"smollm3": {"no_rope_layers": [1, 0]},       # its second layer a NoPE layer
                "phi3": {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 64,
                         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.5] * 8,
-                                         "long_factor": [4.0] * 8}}}
+                                         "long_factor": [4.0] * 8}},
+               # a sliding layer and a global one, each with its RoPE base; GeGLU
+               "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"],
+                               "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+                               "rope_local_base_freq": 10_000.0}}
 
 
 def test_the_fused_layer_is_checked_for_every_family():

@@ -232,7 +232,8 @@ def test_a_float16_cache_at_the_gpu_s_launch_shapes(tmp_path, gpu_shapes):
     from helpers import write_tiny_model
 
     from tinyrt.kernels import get_backend
-    from tinyrt.kv_cache import CacheOptions, make_cache
+    from tinyrt.kv_cache import make_cache
+    from tinyrt.kv_options import CacheOptions
     from tinyrt.models import load_model
 
     d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=32, intermediate_size=64,
@@ -411,7 +412,8 @@ def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind, family):
 
     from tinyrt.converters import convert
     from tinyrt.kernels import get_backend
-    from tinyrt.kv_cache import CacheOptions, make_cache
+    from tinyrt.kv_cache import make_cache
+    from tinyrt.kv_options import CacheOptions
     from tinyrt.models import load_model
 
     # (the simulator runs a CUDA thread as a Python thread: a model of a few thousand weights)
@@ -470,7 +472,8 @@ def test_cuda_runs_the_quantized_cache_as_the_reference(micro, policy, prompt, k
     in place. Step by step, the reference backend's logits (within float sums' order) and greedy
     token, the same tokens kept and the same blocks sealed."""
     from tinyrt.kernels import get_backend
-    from tinyrt.kv_cache import CacheOptions, make_cache
+    from tinyrt.kv_cache import make_cache
+    from tinyrt.kv_options import CacheOptions
     from tinyrt.models import load_model
 
     rng = np.random.default_rng(11)
@@ -546,7 +549,8 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
         for _ in llm.generation([5, 6, 7], max_tokens=5, ignore_eos=True, temperature=0.5):
             pass
     from tinyrt.kernels import get_backend
-    from tinyrt.kv_cache import CacheOptions, make_cache
+    from tinyrt.kv_cache import make_cache
+    from tinyrt.kv_options import CacheOptions
     from tinyrt.models import load_model
 
     model = load_model(micro, get_backend("cuda"))

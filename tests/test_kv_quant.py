@@ -11,7 +11,8 @@ from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.kernels import get_backend, kv_quant, reference as ref
 from tinyrt.kernels.cpu import CpuBackend, kv as cpu_kv
 from tinyrt.kernels.reference import ReferenceBackend
-from tinyrt.kv_cache import POLICIES, CacheOptions, KVCache, KVLayout
+from tinyrt.kv_cache import POLICIES, KVCache, KVLayout
+from tinyrt.kv_options import CacheOptions
 
 BITS = (8, 4, 2)
 

@@ -9,7 +9,8 @@ from helpers import (hf_logits, hf_model, random_weights, rel_err, seeded_rng, t
                      write_tiny_model)
 from tinyrt.errors import CacheFullError, ModelFormatError
 from tinyrt.kernels import get_backend
-from tinyrt.kv_cache import CacheOptions, make_cache
+from tinyrt.kv_cache import make_cache
+from tinyrt.kv_options import CacheOptions
 from tinyrt.models import load_model
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import CORPUS, hf_model, tiny_config, write_tiny_model
 from tinyrt.errors import TinyrtError
-from tinyrt.kv_cache import CacheOptions
+from tinyrt.kv_options import CacheOptions
 from tinyrt.perplexity import perplexity
 
 

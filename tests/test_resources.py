@@ -8,7 +8,8 @@ import tinyrt
 from tinyrt import memory
 from tinyrt.errors import TinyrtError
 from tinyrt.kernels import get_backend
-from tinyrt.kv_cache import POLICIES, CacheOptions, KVLayout
+from tinyrt.kv_cache import POLICIES, KVLayout
+from tinyrt.kv_options import CacheOptions
 
 from helpers import status_kib, write_tiny_model
 

@@ -19,7 +19,8 @@ from tinyrt.errors import ModelFormatError, TinyrtError, shown
 from .chat_template import template_from_config
 from .generate import Generation, Response
 from .kernels import get_backend, on_first_compile
-from .kv_cache import CacheOptions, make_cache
+from .kv_cache import make_cache
+from .kv_options import CacheOptions
 from .models import load_model, trim_heap, warm_up
 from .memory import cpu_count
 from .models.weights import FLOAT_TYPES

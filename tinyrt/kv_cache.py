@@ -22,8 +22,10 @@ in whatever order they hold positions. The policies (`POLICIES`, picked by `--kv
   most attention lately (a decaying sum), chosen per KV head of every layer.
 
 Dense and sink give every layer and head the same slots (one slot table); h2o keeps one table per
-KV head of each layer, and a score per slot that the attention kernels add to. Their settings
-travel as one `CacheOptions`, from the command line or the API to `make_cache`.
+KV head of each layer, and a score per slot that the attention kernels add to. A model with
+sliding-window layers gets a WindowedCache: those layers in a ring of their window, the others in
+the policy's cache. The settings travel as one `kv_options.CacheOptions`, from the command line
+or the API to `make_cache`.
 
 Elements are float16 by default, as llama.cpp keeps them: half the memory and half the bytes
 decode attention reads per token, for a relative rounding error of at most 2**-11 per element.
@@ -37,183 +39,38 @@ policies are the same.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from tinyrt.errors import CacheFullError, TinyrtError, shown
+from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.kernels import kv_quant
-from tinyrt.memory import ensure_fits, parse_size
-
-KV_TYPES = {"f16": np.float16, "f32": np.float32, **dict.fromkeys(kv_quant.BITS)}
-DEFAULT_SIZE = 4096      # tokens, where the model's context is longer
-# KIVI's group (tokens per key scale, channels per value scale) and float residual, by type
-# (README, "Quantized KV cache", has the measurements): 64 keeps q8 and q4 within their memory
-# (a group of 32 would take 0.56x and 0.31x of float16's bytes); q2 fits at 32, where it loses
-# less. KIVI's residual of 128.
-DEFAULT_GROUPS = {"q8": 64, "q4": 64, "q2": 32}
-DEFAULT_RESIDUAL = 128
-MAX_GROUP = 256          # a block of decode attention's slots (cpu.attention.ATTENTION_BLOCK)
-# The most tokens a cache may hold (--kv-size, and --sinks and --recent within it): 16M, past
-# any model's context; a larger number is a mistake, said before anything loads
-MAX_SIZE = 1 << 24
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheOptions:
-    """How to build a KV cache (`--kv-policy`, `--kv-size` or `--kv-mem`, `--kv-type`,
-    `--kv-group`, `--kv-residual`, `--sinks`, `--recent`): the size in tokens, or as memory
-    (bytes, or a text such as "512MB": as many tokens as fit, `token_bytes` each, after the
-    float residual's `fixed_bytes`), or neither: the model's context, at most DEFAULT_SIZE; the
-    element type (f16, f32, or KIVI codes of 8, 4 or 2 bits: kernels.kv_quant), and for codes
-    the group (a power of two) and the residual, the most recent tokens kept in float; sinks
-    for sink and h2o, recent for h2o (None: its default); slack, slots kept for rolling back
-    drafts (sink)."""
-
-    kv_policy: str = "dense"
-    kv_size: int | None = None
-    kv_type: str = "f16"
-    sinks: int = 4
-    recent: int | None = None
-    slack: int = 0
-    kv_mem: int | str | None = None
-    kv_group: int | None = None
-    kv_residual: int = DEFAULT_RESIDUAL
-
-    def __post_init__(self):
-        if self.kv_policy not in POLICIES:
-            raise TinyrtError(f"unknown KV cache policy {self.kv_policy!r}: choose one of "
-                              f"{', '.join(POLICIES)}")
-        if self.kv_type not in KV_TYPES:
-            raise TinyrtError(f"unknown KV cache type {self.kv_type!r}: choose one of "
-                              f"{', '.join(KV_TYPES)}")
-        if self.kv_mem is not None:
-            if self.kv_size is not None:
-                raise TinyrtError("give the KV cache's size in tokens (--kv-size) or as memory "
-                                  "(--kv-mem), not both")
-            if isinstance(self.kv_mem, bool) or not isinstance(self.kv_mem, (int, str)):
-                raise TinyrtError(f"the KV cache's memory must be bytes or a size such as 512MB, "
-                                  f"not {self.kv_mem!r}")
-            object.__setattr__(self, "kv_mem", parse_size(self.kv_mem, "--kv-mem"))
-        # whole numbers in their ranges (None: the default, where there is one)
-        for name, low, high, optional in (
-                ("kv_size", 1, MAX_SIZE, True), ("sinks", 0, MAX_SIZE, False),
-                ("recent", 1, MAX_SIZE, True), ("slack", 0, MAX_SIZE, False),
-                ("kv_group", 1, MAX_GROUP, True), ("kv_residual", 0, 1 << 16, False)):
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-                    or not low <= value <= high:
-                raise TinyrtError(f"--{name.replace('_', '-')} must be a whole number from {low} "
-                                  f"to {high:,}, not {shown(value)}")
-            object.__setattr__(self, name, int(value))
-        if self.kv_policy != "dense" and self.kv_size is not None:
-            self.check_size(self.kv_size, self.recent if self.kv_policy == "h2o" else None)
-        group = self.group
-        if not 1 <= group <= MAX_GROUP or group & (group - 1):
-            raise TinyrtError(f"--kv-group must be a power of two from 1 to {MAX_GROUP}, "
-                              f"not {group}")
-
-    def check_size(self, size: int, recent: int | None = None) -> None:
-        """A CacheFullError where the sinks (sink and h2o), or h2o's `recent` tokens, leave no
-        room in a cache of `size` tokens."""
-        if not self.sinks < size:
-            raise CacheFullError(f"--sinks {self.sinks} must be at least 0 and below the KV cache "
-                                 f"size {size}")
-        if recent is not None and not 1 <= recent <= size - self.sinks:
-            raise CacheFullError(f"--recent {recent} must be at least 1 and at most the KV cache "
-                                 f"size less the sinks ({size - self.sinks})")
-
-    @property
-    def group(self) -> int:
-        """A quantized cache's group: `kv_group`, or the type's default."""
-        return DEFAULT_GROUPS.get(self.kv_type, 64) if self.kv_group is None else self.kv_group
-
-    @property
-    def bits(self) -> int | None:
-        """The bits of a quantized cache's codes, None for a float cache."""
-        return kv_quant.BITS.get(self.kv_type)
-
-    @property
-    def dtype(self) -> np.dtype:
-        """A float cache's element type."""
-        return np.dtype(KV_TYPES[self.kv_type])
-
-    def check(self, layout) -> None:
-        """A TinyrtError if a model (a KVLayout, or a config) cannot have this cache."""
-        why = self.bits and kv_quant.check_layout(self.bits, self.group, layout.head_dim)
-        if why:
-            raise TinyrtError(f"--kv-type {self.kv_type} with --kv-group {self.group}: {why}")
-
-    def token_bytes(self, config) -> int:
-        """The memory one cached token takes in a model of `config`: its K and V in every layer
-        and KV head (codes with their scales and zeros: kernels.kv_quant.token_bytes), and the
-        policy's per-slot tables (slot positions; h2o: per head, with a score)."""
-        L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        table = L * G * (8 + 4) if self.kv_policy == "h2o" else 8
-        if self.bits:
-            return math.ceil(L * G * kv_quant.token_bytes(self.bits, self.group, D)) + table
-        return 2 * L * G * D * self.dtype.itemsize + table
-
-    def pool(self) -> tuple[int, int]:
-        """A quantized cache's pinned blocks (those of the sinks) and float pool entries."""
-        pin = -(-self.sinks // self.group)
-        return pin, kv_quant.pool_entries(self.group, self.kv_residual, pin)
-
-    def fixed_bytes(self, config) -> int:
-        """The memory a quantized cache takes whatever its size: its float pool (the residual,
-        the sinks and the block being filled, as float16 K and V, with its tables), and h2o's
-        spare block (H2OCache)."""
-        if not self.bits:
-            return 0
-        L, G, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        entries = self.pool()[1]
-        spare = self.group * self.token_bytes(config) if self.kv_policy == "h2o" else 0
-        return L * G * entries * (2 * self.group * D * 2 + 12) + spare
-
-    def describe(self, config, tokens: int | None = None) -> str:
-        """Its memory in words: per token, and for `tokens` (default: its size) tokens."""
-        n, each = tokens or self.size_for(config), self.token_bytes(config)
-        fixed = self.fixed_bytes(config)
-        spare = " and a spare block" if self.kv_policy == "h2o" else ""
-        residual = f" (and {fixed / 2**20:,.1f} MiB of float residual{spare})" if fixed else ""
-        return (f"{self.kv_policy} {self.kv_type}, {each / 1024:.1f} KiB per token: {n:,} tokens "
-                f"in {(n * each + fixed) / 2**20:,.0f} MiB{residual}")
-
-    def size_for(self, config) -> int:
-        """The cache's size in tokens for a model of `config`."""
-        if self.kv_size:
-            return self.kv_size
-        if self.kv_mem is not None:
-            size = (self.kv_mem - self.fixed_bytes(config)) // self.token_bytes(config)
-            if size < 1:
-                raise CacheFullError(
-                    f"--kv-mem {self.kv_mem:,} bytes holds no token: one takes "
-                    f"{self.token_bytes(config):,} bytes in a {self.kv_type} cache"
-                    + (f", after {self.fixed_bytes(config):,} bytes of float residual"
-                       if self.bits else ""))
-            if size > MAX_SIZE:
-                raise CacheFullError(f"--kv-mem {self.kv_mem:,} bytes holds {size:,} tokens, more "
-                                     f"than a KV cache may ({MAX_SIZE:,}): give less")
-            return size
-        return min(config.max_position_embeddings, DEFAULT_SIZE)
+from tinyrt.kv_options import POLICY_NAMES, RING_CHUNK, CacheOptions, windowed_layers
+from tinyrt.memory import ensure_fits
 
 
 class KVLayout(NamedTuple):
-    """What a cache must know of its model: sizes, and each layer's RoPE frequencies
-    [head_dim/2] (the sink policy re-rotates its sinks' keys)."""
+    """What a cache must know of its model: sizes, each layer's RoPE frequencies [head_dim/2]
+    (the sink policy re-rotates its sinks' keys) and each layer's sliding window (None: none,
+    or not known)."""
 
     n_layers: int
     kv_heads: int
     head_dim: int
     layer_freqs: list
+    windows: list | None = None
 
     @classmethod
     def of(cls, model) -> "KVLayout":
         c = model.config
-        return cls(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, model.layer_freqs)
+        return cls(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, model.layer_freqs,
+                   [c.window(i) for i in range(c.num_hidden_layers)])
+
+    def part(self, layers: list[int]) -> "KVLayout":
+        """The layout of some of its layers."""
+        windows = self.windows or [None] * self.n_layers
+        return KVLayout(len(layers), self.kv_heads, self.head_dim,
+                        [self.layer_freqs[i] for i in layers], [windows[i] for i in layers])
 
 
 class LayerView(NamedTuple):
@@ -238,7 +95,7 @@ class KVCache:
                  options: CacheOptions | None = None):
         if capacity <= 0:
             raise CacheFullError(f"the KV cache needs a positive size, got {capacity}")
-        n_layers, kv_heads, head_dim, _ = layout
+        n_layers, kv_heads, head_dim = layout.n_layers, layout.kv_heads, layout.head_dim
         options = options or CacheOptions()
         options.check(layout)
         self.quantized = bool(options.bits)
@@ -288,7 +145,7 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """Bytes of one token's K and V in every layer (quantized: codes, scales and zeros)."""
         if self.quantized:
-            L, G, D, _ = self.layout
+            L, G, D = self.layout.n_layers, self.kv_heads, self.layout.head_dim
             return round(L * G * kv_quant.token_bytes(self.k.bits, self.k.block, D))
         return self.nbytes // self.capacity
 
@@ -447,7 +304,7 @@ class SinkCache(KVCache):
         """Rotate the sinks' cached keys to positions i + shift (default sink_shift: see the
         class), if they are not rotated so already."""
         n, shift = self.n_sink, self.sink_shift if shift is None else shift
-        if not n or shift == self.rotated_shift:
+        if not n or shift == self.rotated_shift or not self.layout.n_layers:
             return
         be, G = self.backend, self.kv_heads
         k_buf, v_buf = self._flat()
@@ -488,12 +345,7 @@ class SinkCache(KVCache):
         """Forget the last n appended tokens. The tokens they overwrote are gone: refused unless
         the window keeps its `window` most recent tokens, which the `slack` slots allow for up
         to `slack` tokens (speculative decoding's drafts)."""
-        ring = self.length - min(self.n_sink, self.next_pos)           # tokens in the ring
-        gone = min(n, max(0, self.next_pos - self.n_sink))               # of them rolled back
-        keep = min(self.window, max(0, self.next_pos - n - self.n_sink))
-        if not 0 <= n <= self.next_pos or ring - gone < keep:
-            raise ValueError(f"cannot roll back {n} tokens of a {self.policy} cache that has "
-                             "evicted the tokens before them")
+        self.check_rollback(n)
         slots = self._slot(np.arange(self.next_pos - n, self.next_pos))
         self.slot_pos[slots] = -1
         self.length -= n
@@ -505,6 +357,15 @@ class SinkCache(KVCache):
             self.sink_keys = self.sink_values = None
         used = np.flatnonzero(self.slot_pos >= 0)
         self.span = int(used[-1]) + 1 if used.size else 0
+
+    def check_rollback(self, n: int) -> None:
+        """A ValueError if `rollback(n)` cannot be done (it changes nothing then)."""
+        ring = self.length - min(self.n_sink, self.next_pos)           # tokens in the ring
+        gone = min(n, max(0, self.next_pos - self.n_sink))               # of them rolled back
+        keep = min(self.window, max(0, self.next_pos - n - self.n_sink))
+        if not 0 <= n <= self.next_pos or ring - gone < keep:
+            raise ValueError(f"cannot roll back {n} tokens of a {self.policy} cache that has "
+                             "evicted the tokens before them")
 
     def reset(self) -> None:
         super().reset()
@@ -655,11 +516,75 @@ def _add_at(counts: np.ndarray, index: np.ndarray, n: int) -> None:
     np.put_along_axis(counts, at, np.take_along_axis(counts, at, axis=-1) + n, axis=-1)
 
 
-POLICIES = {"dense": KVCache, "sink": SinkCache, "h2o": H2OCache}
+POLICIES = dict(zip(POLICY_NAMES, (KVCache, SinkCache, H2OCache)))
 
 
-def make_cache(options: CacheOptions, model) -> KVCache:
+class WindowedCache:
+    """Per-layer attention windows: the layers that attend only within a sliding window (Gemma
+    3's five of every six, Mistral's and Phi-3's every layer) keep their last tokens only, in a
+    ring (a sink cache without sinks, of the window, a pass's tokens and some slack: see
+    kv_options.RING_CHUNK); the other layers are a cache of the chosen policy, which decides
+    what the whole holds (its size, when it is full, what it evicts). Each `allocate` gives
+    both the same positions; a layer reads its own part, where attention's window mask leaves
+    a windowed layer the same keys as a full cache would. Rolling back past the ring's slack
+    is refused (a chat turn then starts afresh, exactly).
+
+    The cache of the other layers answers for the whole: `SHARED` names what it tells."""
+
+    SHARED = {"capacity", "length", "next_pos", "span", "free", "streams", "policy", "n_sink",
+              "quantized", "can_rollback", "fits", "holds", "sinks", "recent", "size", "slack"}
+
+    def __init__(self, layout: KVLayout, capacity: int, backend,
+                 options: CacheOptions | None = None):
+        options = options or CacheOptions()
+        ringed, ring, slack = windowed_layers(layout.windows or [], capacity, options.slack)
+        held = [i for i in range(layout.n_layers) if i not in ringed]
+        self.held = POLICIES[options.kv_policy](layout.part(held), capacity, backend, options)
+        self.ring = SinkCache(layout.part(ringed), ring, backend, options.ring_options(slack))
+        self.layout, self.backend = layout, backend
+        self._parts = [(self.ring, ringed.index(i)) if i in ringed else (self.held, held.index(i))
+                       for i in range(layout.n_layers)]
+
+    def __getattr__(self, name: str):
+        if name in WindowedCache.SHARED:
+            return getattr(self.held, name)
+        raise AttributeError(name)
+
+    @property
+    def chunk(self) -> int:
+        return min(self.held.chunk, RING_CHUNK)
+
+    @property
+    def nbytes(self) -> int:
+        return self.held.nbytes + self.ring.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.held.bytes_per_token
+
+    def allocate(self, n: int) -> np.ndarray:
+        pos = self.held.allocate(n)           # (first: it may refuse, before the ring moves)
+        self.ring.allocate(n)
+        return pos
+
+    def layer(self, i: int) -> LayerView:
+        part, j = self._parts[i]
+        return part.layer(j)
+
+    def rollback(self, n: int) -> None:
+        self.ring.check_rollback(n)
+        self.held.rollback(n)                 # (it refuses before it changes anything)
+        self.ring.rollback(n)
+
+    def reset(self) -> None:
+        self.held.reset()
+        self.ring.reset()
+
+
+def make_cache(options: CacheOptions, model) -> KVCache | WindowedCache:
     """A KV cache for `model` (a decoder: its config, RoPE frequencies and backend) as `options`
-    say."""
-    return POLICIES[options.kv_policy](KVLayout.of(model), options.size_for(model.config),
-                                       model.backend, options)
+    say: with rings for its windowed layers where they are smaller than the cache."""
+    layout, size = KVLayout.of(model), options.size_for(model.config)
+    if windowed_layers(layout.windows, size, options.slack)[0]:
+        return WindowedCache(layout, size, model.backend, options)
+    return POLICIES[options.kv_policy](layout, size, model.backend, options)

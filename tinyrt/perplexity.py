@@ -18,7 +18,8 @@ import numpy as np
 
 from tinyrt.errors import TinyrtError, shown
 
-from .kv_cache import CacheOptions, make_cache
+from .kv_cache import make_cache
+from .kv_options import CacheOptions
 from .sampling import check_logits
 
 

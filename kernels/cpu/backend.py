@@ -18,7 +18,7 @@ from .attention import (attention_decode, attention_decode_q, attention_prompt, 
 from .layer import decode_layer, decode_layer_q
 from .linear import (Int8Rows, QLinear, gemv_rows, int8_dequantize, q_gemm, q_gemv,
                      quantize_int8_rows, repack)
-from .ops import rmsnorm, rope, swiglu
+from .ops import gated, rmsnorm, rope
 
 SMALL_TOKENS = 16        # up to this many tokens, layers run as GEMVs and attention as decode
                          # attention per token; above, quantized layers run as GEMMs (q_gemm)
@@ -167,10 +167,12 @@ class CpuBackend(reference.ReferenceBackend):
         cache layer `kv` (kv_cache.LayerView), for a model of config `cfg`, its attention
         within `window` (None: all it holds) (the kernel decode_layer)."""
         x = np.array(x, np.float32)
-        bias, q_norm, k_norm = (_NO_SCALES if w is None else w
-                                for w in (layer.qkv_bias, layer.q_norm, layer.k_norm))
+        bias, q_norm, k_norm, attn_out, mlp_out = (
+            _NO_SCALES if w is None else w for w in (layer.qkv_bias, layer.q_norm, layer.k_norm,
+                                                     layer.attn_out_norm, layer.mlp_out_norm))
         weights = (x, layer.input_norm, layer.post_norm, np.float32(cfg.rms_norm_eps), layer.qkv,
-                   bias, q_norm, k_norm, layer.o, layer.gate_up, layer.down)
+                   bias, q_norm, k_norm, layer.o, layer.gate_up, layer.down, attn_out, mlp_out,
+                   cfg.geglu)
         rest = (kv.slots, np.ascontiguousarray(pos, np.int64), kv.k_pos, _scores(kv.score), cos,
                 sin, cfg.num_attention_heads, np.float32(cfg.attention_scale), window or 0,
                 self.threads)
@@ -187,7 +189,10 @@ class CpuBackend(reference.ReferenceBackend):
         return rope(x, cos, sin)
 
     def swiglu(self, gu):
-        return swiglu(np.ascontiguousarray(gu, dtype=np.float32))
+        return gated(np.ascontiguousarray(gu, dtype=np.float32), False)
+
+    def geglu(self, gu):
+        return gated(np.ascontiguousarray(gu, dtype=np.float32), True)
 
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None):
         if q.ndim == 4:

@@ -1,4 +1,5 @@
-"""The CPU's small ops: exp, RMSNorm, RoPE and SiLU-mul, as Numba loops."""
+"""The CPU's small ops: exp, RMSNorm, RoPE and the gated MLP's SiLU-mul and GELU-mul, as Numba
+loops."""
 
 from __future__ import annotations
 
@@ -74,12 +75,28 @@ def swiglu_row(gu, y):
         y[i] = g / (np.float32(1) + exp(-g)) * gu[I + i]
 
 
+@njit(fastmath=True, cache=True, error_model="numpy")
+def geglu_row(gu, y):
+    """y [I] = gelu_tanh(gate) * up of one row gu [2I] (gate first; Gemma). GELU's tanh form
+    0.5 g (1 + tanh z), z = sqrt(2 / pi) (g + 0.044715 g**3), is g * sigmoid(2z): the same
+    arithmetic as SiLU's, on 2z."""
+    I = y.shape[0]
+    for i in range(I):
+        g = gu[i]
+        z2 = np.float32(1.5957691216057308) * (g + np.float32(0.044715) * g * g * g)
+        y[i] = g / (np.float32(1) + exp(-z2)) * gu[I + i]
+
+
 @njit(fastmath=True, cache=True)
-def swiglu(gu):
-    """gu [T, 2I] C-contiguous (the fused gate/up output, gate first) -> silu(gate) * up [T, I].
-    On one thread: a prompt's BLAS calls come before and after (see int8_dequantize)."""
+def gated(gu, gelu):
+    """gu [T, 2I] C-contiguous (the fused gate/up output, gate first) -> silu(gate) * up [T, I],
+    or gelu_tanh(gate) * up where `gelu`. On one thread: a prompt's BLAS calls come before and
+    after (see int8_dequantize)."""
     T, I = gu.shape[0], gu.shape[1] // 2
     y = np.empty((T, I), np.float32)
     for t in range(T):
-        swiglu_row(gu[t], y[t])
+        if gelu:
+            geglu_row(gu[t], y[t])
+        else:
+            swiglu_row(gu[t], y[t])
     return y

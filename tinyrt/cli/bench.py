@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     from tinyrt import bench
     from tinyrt.errors import TinyrtError
-    from tinyrt.kv_cache import CacheOptions
+    from tinyrt.kv_options import CacheOptions
 
     # all before the model loads; the cache holds the prompt and the decoded tokens
     bench.check_args(args.prompt_tokens, args.decode_tokens, args.runs, flags=True)

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 
 def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str, str]]]:
     """(what the file is, its HF config, (kind, stored as, runs as) per kind of tensor)."""
-    from tinyrt.kv_cache import CacheOptions
+    from tinyrt.kv_options import CacheOptions
     from tinyrt.models import open_weights
 
     cfg, weights = open_weights(path)

@@ -161,9 +161,9 @@ def add_draft_options(g) -> None:
 
 def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
     """The KV cache options (`g` a parser or argument group): policy, size, sinks, recent, type."""
-    from tinyrt.kv_cache import DEFAULT_GROUPS, DEFAULT_RESIDUAL, KV_TYPES, POLICIES
+    from tinyrt.kv_options import DEFAULT_GROUPS, DEFAULT_RESIDUAL, KV_TYPES, POLICY_NAMES
 
-    g.add_argument("--kv-policy", choices=list(POLICIES), default=policy,
+    g.add_argument("--kv-policy", choices=list(POLICY_NAMES), default=policy,
                    help="KV cache policy: dense (fill, then stop), sink (StreamingLLM: keep the "
                         "first --sinks tokens and a ring of the most recent; streams forever) or "
                         f"h2o (sinks, --recent tokens and the heavy hitters; streams) (default {policy})")
@@ -194,7 +194,7 @@ def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
 
 def cache_options(args: argparse.Namespace):
     """The KV cache options (kv_cache.CacheOptions) given on the command line."""
-    from tinyrt.kv_cache import CacheOptions
+    from tinyrt.kv_options import CacheOptions
 
     size = args.kv_size if args.kv_size is not None or args.kv_mem else args.kv_size_default
     return CacheOptions(kv_policy=args.kv_policy, kv_size=size, kv_mem=args.kv_mem,

@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tinyrt.kv_cache import CacheOptions
+    from tinyrt.kv_options import CacheOptions
     from tinyrt.paths import read_text, user_path
     from tinyrt.perplexity import check_options, perplexity, stream_perplexity
     from rich.console import Console
