@@ -220,12 +220,15 @@ def write_random_hf(dst: Path, tokenizer_src: Path, config: dict, seed: int = 0)
     cfg.save_pretrained(dst)
     files = tokenizer_files(GGUFFile(tokenizer_src))
     # padded with unused tokens to the vocabulary size, as llama.cpp's converter counts it (the
-    # vocabulary and the added tokens: it cuts Gemma's embedding rows to that many)
+    # vocabulary and the added tokens: it cuts Gemma's embedding rows to that many); a
+    # byte-level BPE, as Phi-4-mini's (GPT2Tokenizer: the converter reads no SentencePiece file)
     tok = json.loads(files["tokenizer.json"])
     vocab = tok["model"]["vocab"]
     for i in range(len(vocab), cfg.vocab_size - len(tok["added_tokens"])):
         vocab[f"<unused{i}>"] = i
     files["tokenizer.json"] = json.dumps(tok)
+    files["tokenizer_config.json"] = json.dumps({**json.loads(files["tokenizer_config.json"]),
+                                                 "tokenizer_class": "GPT2Tokenizer"})
     for name, text in files.items():
         (dst / name).write_text(text)
     layers = cfg.num_hidden_layers

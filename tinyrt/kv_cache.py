@@ -531,8 +531,8 @@ class WindowedCache:
 
     The cache of the other layers answers for the whole: `SHARED` names what it tells."""
 
-    SHARED = {"capacity", "length", "next_pos", "span", "free", "streams", "policy", "n_sink",
-              "quantized", "can_rollback", "fits", "holds", "sinks", "recent", "size", "slack"}
+    SHARED = {"capacity", "length", "next_pos", "free", "streams", "policy", "n_sink", "quantized",
+              "can_rollback", "fits", "holds"}
 
     def __init__(self, layout: KVLayout, capacity: int, backend,
                  options: CacheOptions | None = None):
