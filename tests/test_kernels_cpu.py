@@ -436,6 +436,7 @@ FAMILY_OVER = {"smollm3": {"no_rope_layers": [1, 0]},       # its second layer a
                                          "long_factor": [4.0] * 8}},
                # a sliding layer and a global one, each with its RoPE base; GeGLU
                "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"],
+                               "head_dim": 32,      # (Gemma 3's default: 256)
                                "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
                                "rope_local_base_freq": 10_000.0}}
 

@@ -424,6 +424,7 @@ def test_tiny_model_cuda_equals_reference(tmp_path, policy, kind, family):
                          rope_scaling={"rope_type": "longrope", "short_factor": [1.5, 2.0],
                                        "long_factor": [3.0, 5.0]}),
             "gemma3_text": dict(num_hidden_layers=2, sliding_window=3, query_pre_attn_scalar=6,
+                                head_dim=8,     # (Gemma 3's default: 256)
                                 layer_types=["sliding_attention", "full_attention"],
                                 hidden_act="gelu_pytorch_tanh")}.get(family, {})
     d = write_tiny_model(tmp_path / "m", tiny_config(**{

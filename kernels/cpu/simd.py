@@ -15,7 +15,8 @@ tiles of LANES, each tile an int32 array [in b/32, LANES], one after the other (
 n = 32/b inputs nr .. nr+n-1, input nr + 2m at bit b m and input nr + 2m + 1 at bit 16 + b m
 (m < n/2). So (word >> b m) & (2**b - 1) * 0x00010001 is two 16-bit integers, the values of a
 pair of inputs, ready for a pairwise multiply-add with the pair's two int16 activations; the
-high plane's values are shifted up by 4 first, so both planes add into one integer sum. A GEMV
+high plane's values are shifted up by 4 and joined to the low plane's, so a code takes one
+multiply-add. A GEMV
 reads each tile from start to end, the whole layer in the order it lies in memory.
 """
 
@@ -57,19 +58,19 @@ def _prefetch(builder, address):
     builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
-def _pair_sums(context, builder, planes, xp_ptrs):
+def _pair_sums(context, builder, lo, high, xp_ptrs):
     """IR: for each token's pairs xp_ptrs[i] (pointing at its int32 [in/2]), the int32 vector
-    [LANES] of sums, over the code planes (w_ptr, bits, r0, r1, up, high) and their word rows r
-    in [r0, r1) and m < P = 16 / bits, of
-    lo(c) * lo(xp[P r + m]) + hi(c) * hi(xp[P r + m]), c = ((w[r, j] >> bits m) & mask) << up
-    (lo and hi: the 16-bit halves, mask keeping `bits` bits of each), w_ptr pointing at the
-    tile's row 0 (int32 [rows, LANES]): the codes' planes, each shifted to its place in the
-    code, in one sum. `high` (or None), a plane of the same layout whose values are the codes'
-    bits 4..7 (8-bit codes), joins c as c | (its value << 4): one multiply-add for the whole
-    code (values up to 255 times int16 activations: a block's sum stays within int32). A
-    word's codes are taken apart once for all the tokens. Each row's load
-    asks for the memory PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the
-    hardware's prefetch alone leaves it waiting on memory (measured: 0.7x the time with it)."""
+    [LANES] of sums, over the word rows r in [r0, r1) of the codes' low plane lo = (w_ptr, r0,
+    r1) (w_ptr pointing at the tile's row 0, int32 [rows, LANES]) and m < 4, of
+    lo(c) * lo(xp[4 r + m]) + hi(c) * hi(xp[4 r + m]), c = (w[r, j] >> 4 m) & 0xF
+    (lo and hi: the 16-bit halves of a word). `high` (or None) = (h_ptr, h0, b): the plane of
+    the codes' high b bits (5-, 6- and 8-bit codes), whose row h0 + (r - r0) / (4 / b) holds
+    the high bits of low row r's inputs; they join c as c | (high value << 4), so that a whole
+    code takes one multiply-add (values up to 255 times int16 activations: a block's sum stays
+    within int32), the same integer sums as a multiply-add per plane, in half the work. A
+    word's codes are taken apart once for all the tokens. Each row's load asks for the memory
+    PREFETCH_BYTES ahead: a GEMV streams through its tiles, and the hardware's prefetch alone
+    leaves it waiting on memory (measured: 0.7x the time with it)."""
     intp = context.get_value_type(types.intp)
     i8, i32 = ir.IntType(8), ir.IntType(32)
     vec = ir.VectorType(i32, LANES)                      # 16 x i32: one lane per output
@@ -95,27 +96,32 @@ def _pair_sums(context, builder, planes, xp_ptrs):
         return words if shift == 0 else (builder.lshr(words, splat32(shift)) if shift > 0
                                           else builder.shl(words, splat32(-shift)))
 
-    for w_ptr, bits, r0, r1, up, high in planes:
-        pairs = 16 // bits
-        mask = splat32((((1 << bits) - 1) * 0x10001) << up)
-        with cgutils.for_range(builder, r1, start=r0) as row:
-            r = row.index
-            rows = []
-            for base in (w_ptr, high) if high is not None else (w_ptr,):
-                ptr = builder.gep(base, [builder.mul(r, const(LANES))])
-                rows.append(builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4))
-                _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
-                                               [const(PREFETCH_BYTES)]))
-            for m in range(pairs):
-                # the code's bits m .. to bit `up`
-                codes = builder.and_(shifted(rows[0], bits * m - up), mask)
-                if high is not None:
-                    codes = builder.or_(codes, builder.and_(shifted(rows[1], bits * m - 4),
-                                                            splat32(0xF000F0)))
+    def row(base, r):              # the row's words, its memory PREFETCH_BYTES ahead asked for
+        ptr = builder.gep(base, [builder.mul(r, const(LANES))])
+        _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
+                                       [const(PREFETCH_BYTES)]))
+        return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+
+    w_ptr, r0, r1 = lo
+    mask = splat32(0xF * 0x10001)
+    per = 1 if high is None else 4 // high[2]       # low rows per row of the high plane
+    with cgutils.for_range(builder, builder.udiv(builder.sub(r1, r0), const(per))) as loop:
+        if high is not None:
+            h_ptr, h0, b = high
+            high_words = row(h_ptr, builder.add(h0, loop.index))
+            high_mask = splat32((((1 << b) - 1) << 4) * 0x10001)
+        for q in range(per):
+            r = builder.add(r0, builder.add(builder.mul(loop.index, const(per)), const(q)))
+            words = row(w_ptr, r)
+            for m in range(4):
+                codes = builder.and_(shifted(words, 4 * m), mask)
+                if high is not None:     # this pair's high bits, to bits 4.. of each half
+                    codes = builder.or_(codes, builder.and_(
+                        shifted(high_words, b * (4 * q + m) - 4), high_mask))
                 codes = builder.sext(builder.bitcast(codes, halves), wide)
-                at = builder.add(builder.mul(r, const(pairs)), const(m))
+                at = builder.add(builder.mul(r, const(4)), const(m))
                 for xp_ptr, token_accs in zip(xp_ptrs, accs):
-                    acc = token_accs[m % chains]
+                    acc = token_accs[(4 * q + m) % chains]
                     x = _splat(builder, builder.load(builder.gep(xp_ptr, [at])))
                     prod = builder.mul(codes, builder.sext(builder.bitcast(x, halves), wide))
                     total = builder.add(builder.load(acc), builder.shuffle_vector(prod, undef, even))
@@ -144,9 +150,8 @@ def _tile_dot(bits: int, tokens: int = 1):
         s[gi, j] * sx[t, b] * (integer dot of the block's codes and x_q)  +  m[gi, j] * xsum[t, b]
     xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs). The integer dot is
     pairwise multiply-adds of 16-bit codes and activations, 32 per instruction (x86 pmaddwd or
-    vpdpwssd, Arm smull + addp): over the 4-bit plane of the codes' low bits, plus 16 times the
-    same over the plane of their high bits-4 bits (8-bit codes: both planes' values joined into
-    one 16-bit code first, half the multiply-adds). A group's s and m are computed from the
+    vpdpwssd): the 4-bit plane of the codes' low bits joined with the plane of their high
+    bits-4 bits into one 16-bit code first (_pair_sums). A group's s and m are computed from the
     tile's scale and offset arrays as kernels.quant defines them (a float times an optional
     int8; no offset array: m = -zero s), the arrays a layer lacks being empty (branches that
     go the same way for a whole layer). The LANES outputs stay in a register from the first
@@ -221,14 +226,9 @@ def _tile_dot(bits: int, tokens: int = 1):
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
                 r0 = builder.mul(b, lo_rows)
-                if high == 4:             # 8-bit codes: both planes in one multiply-add
-                    planes = [(lo_ptr, 4, r0, builder.add(r0, lo_rows), 0, hi_ptr)]
-                else:
-                    planes = [(lo_ptr, 4, r0, builder.add(r0, lo_rows), 0, None)]
-                if 0 < high < 4:
-                    h0 = builder.mul(b, hi_rows)
-                    planes.append((hi_ptr, high, h0, builder.add(h0, hi_rows), 4, None))
-                dots = _pair_sums(context, builder, planes, xp_ptrs)
+                dots = _pair_sums(context, builder, (lo_ptr, r0, builder.add(r0, lo_rows)),
+                                  (hi_ptr, builder.mul(b, hi_rows), high) if high else None,
+                                  xp_ptrs)
                 gi, si, mi = (builder.load(at[name]) for name in ("gi", "si", "mi"))
                 builder.store(_vector_at(builder, pointer("s", kv, si, const(0)), const(0),
                                          _is_half(field["s"][1])), s_acc)
