@@ -23,15 +23,17 @@ MULTIMODAL = {"gemma3": "gemma3_text"}
 
 def text_config(d: dict) -> dict:
     """The config dict of a vision-language checkpoint's text model (`d` itself for others):
-    its `text_config`, with the token ids and settings the checkpoint gives outside it."""
+    its `text_config`, with the token ids and settings the checkpoint gives outside it (which
+    win: they are the checkpoint's, as its generation_config.json's)."""
     if not isinstance(d.get("model_type"), str) or d["model_type"] not in MULTIMODAL:
         return d
     text = d.get("text_config")
     if not isinstance(text, dict):
         raise ModelFormatError(f"a {d['model_type']} config needs a text_config object")
     outer = {k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
-                               "tie_word_embeddings", "torch_dtype", "dtype") if k in d}
-    return {**outer, **text, "model_type": MULTIMODAL[d["model_type"]]}
+                               "tie_word_embeddings", "torch_dtype", "dtype",
+                               "quantization_config") if k in d}
+    return {**text, **outer, "model_type": MULTIMODAL[d["model_type"]]}
 
 
 def family(model_type: str) -> Family:

@@ -53,6 +53,8 @@ def adapt_config(d: dict) -> dict:
     if isinstance(params, dict) and "full_attention" in params:     # transformers 5: per kind
         d.pop("rope_parameters")
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise ModelFormatError("rope_parameters must give an object for each kind of layer")
         d.setdefault("rope_theta", full.get("rope_theta", 1_000_000.0))
         if full.get("rope_type", "default") != "default":
             d.setdefault("rope_scaling", {k: v for k, v in full.items() if k != "rope_theta"})

@@ -119,6 +119,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
                                           "2147483647, got an integer of 1329 bits"),
     ({"eos_token_id": [2, 10**30]}, "eos_token_id an integer of 100 bits is not a token id"),
     ({"sliding_window": 0, "model_type": "mistral"}, "sliding_window must be between 1"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": 5}},
+     "rope_parameters must give an object for each kind of layer"),
+    ({"model_type": "gemma3", "text_config": [1]}, "a gemma3 config needs a text_config object"),
     ({"model_type": "smollm3", "no_rope_layers": [1]}, "no_rope_layers must hold a 0 or 1 for "
      "each of the 2 layers"),
     ({"model_type": "smollm3", "no_rope_layers": [1, 2]}, "no_rope_layers must hold a 0 or 1"),

@@ -11,6 +11,7 @@ import tinyrt
 from helpers import hf_logits, hf_model, rel_err, seeded_rng
 from test_families import SIZES, write_hf_model
 from tinyrt.kernels.reference import ReferenceBackend
+from tinyrt.errors import CacheFullError
 from tinyrt.kv_cache import KVCache, KVLayout, WindowedCache
 from tinyrt.kv_options import RING_CHUNK, RING_SLACK, CacheOptions
 
@@ -144,3 +145,45 @@ def test_a_cache_smaller_than_a_ring_keeps_every_layer_whole(windowed_model):
     (attention's window mask does the rest), as before."""
     llm = tinyrt.LLM(windowed_model[0], device="reference", kv_size=500)
     assert type(llm.cache) is KVCache
+
+
+class _Config:
+    """What the options read of a config: sizes and each layer's window."""
+
+    def __init__(self, windows, kv_heads=1, head_dim=64, context=32768):
+        self.windows, self.num_hidden_layers = windows, len(windows)
+        self.num_key_value_heads, self.head_dim = kv_heads, head_dim
+        self.max_position_embeddings = context
+
+    def window(self, i):
+        return self.windows[i]
+
+
+@pytest.mark.parametrize("policy", ["dense", "sink", "h2o"])
+def test_a_memory_budget_is_the_largest_size_within_it(policy):
+    """--kv-mem with windowed layers: the size whose memory (per token for the layers that
+    keep every token, the rings, the float residual) fits the budget and is the largest that
+    does, whichever layers keep only their window at that size (windows of several sizes:
+    the set changes with the size); with every layer windowed, the model's context, not 16M
+    slots. (The budgets are random: seeded.)"""
+    for _ in range(200):
+        windows = [None if rng.random() < 0.3 else int(rng.choice([256, 1024, 4096]))
+                   for _ in range(4)]
+        cfg, budget = _Config(windows), int(rng.integers(20_000, 50_000_000))
+        options = CacheOptions(kv_policy=policy, kv_mem=budget,
+                               kv_type=str(rng.choice(["f16", "q4"])))
+
+        def total(n):
+            m = options.memory(cfg, n)
+            return n * m.per_token + m.residual + m.rings
+
+        try:
+            n = options.size_for(cfg)
+        except CacheFullError:
+            assert total(1) > budget
+            continue
+        assert total(n) <= budget
+        if None in windows:
+            assert all(total(s) > budget for s in (n + 1, n + 7, 2 * n, 8 * n))
+        else:
+            assert n == cfg.max_position_embeddings or total(n + 1) > budget

@@ -189,29 +189,34 @@ class CacheOptions:
             return self.kv_size
         if self.kv_mem is None:
             return min(config.max_position_embeddings, DEFAULT_SIZE)
-        # first as if every windowed layer kept only its window; where the size that leaves
-        # is too small for some of their rings, those layers keep every token (fewer rings,
-        # so fewer tokens: the set only shrinks, and settles)
-        size = MAX_SIZE
-        for _ in range(config.num_hidden_layers + 1):
-            m = self.memory(config, size)
-            fits = (self.kv_mem - m.residual - m.rings) // m.per_token if m.per_token \
-                else MAX_SIZE
-            if self.memory(config, max(fits, 1)).ringed == m.ringed:
-                break
-            size = fits
-        if fits < 1:
+        # The layers that keep only their window change with the size (a ring must be smaller
+        # than the cache), and so does the memory a token takes: between two rings' sizes the
+        # set is fixed and the memory grows with the size, so the largest size within budget
+        # is the best of each such span's.
+        L = config.num_hidden_layers
+        rings = sorted({r for i in range(L) if (w := config.window(i)) is not None
+                        and (r := ring_slots(w, self.slack)) < MAX_SIZE})
+        best, low = 0, 1
+        for high in [*rings, MAX_SIZE]:
+            m = self.memory(config, high)            # (the set of every size in [low, high])
+            left = self.kv_mem - m.residual - m.rings
+            if left >= 0:
+                n = min(high, left // m.per_token if m.per_token else high)
+                if m.ringed == L:        # no layer keeps every token: the model's context
+                    n = min(n, config.max_position_embeddings)
+                if n >= low:
+                    best = max(best, n)
+            low = high + 1
+        if best < 1:
+            m = self.memory(config, 1)
             raise CacheFullError(
                 f"--kv-mem {self.kv_mem:,} bytes holds no token: one takes {m.per_token:,} "
                 f"bytes in a {self.kv_type} cache"
-                + (f", after {m.residual + m.rings:,} bytes of float residual and windows"
-                   if m.residual or m.rings else ""))
-        if fits > MAX_SIZE:
-            if m.ringed == config.num_hidden_layers:    # (no layer keeps every token)
-                return MAX_SIZE
-            raise CacheFullError(f"--kv-mem {self.kv_mem:,} bytes holds {fits:,} tokens, more "
-                                 f"than a KV cache may ({MAX_SIZE:,}): give less")
-        return fits
+                + (f", after {m.residual:,} bytes of float residual" if m.residual else ""))
+        if best == MAX_SIZE and self.memory(config, best).ringed < L:
+            raise CacheFullError(f"--kv-mem {self.kv_mem:,} bytes holds more than {MAX_SIZE:,} "
+                                 f"tokens, the most a KV cache may: give less")
+        return best
 
 
 class CacheMemory(NamedTuple):
@@ -234,10 +239,15 @@ RING_CHUNK = 512
 RING_SLACK = 32
 
 
+def ring_slots(window: int, slack: int = 0) -> int:
+    """Every slot of the ring of a layer of this window (see RING_CHUNK), slack included."""
+    return window + RING_CHUNK - 1 + max(slack, RING_SLACK)
+
+
 def windowed_layers(windows: list, size: int, slack: int = 0) -> tuple[list[int], int, int]:
     """The layers of a cache of `size` tokens that keep only their window (`windows`: each
-    layer's, None for none): those whose ring (see RING_CHUNK) is smaller than `size`; and the
+    layer's, None for none): those whose ring (ring_slots) is smaller than `size`; and the
     ring's size (the largest such window, and RING_CHUNK - 1) and its slack."""
-    slack = max(slack, RING_SLACK)
-    ringed = [i for i, w in enumerate(windows) if w is not None and w + RING_CHUNK - 1 + slack < size]
-    return ringed, max((windows[i] for i in ringed), default=0) + RING_CHUNK - 1, slack
+    ringed = [i for i, w in enumerate(windows) if w is not None and ring_slots(w, slack) < size]
+    return ringed, max((windows[i] for i in ringed), default=0) + RING_CHUNK - 1, \
+        max(slack, RING_SLACK)
