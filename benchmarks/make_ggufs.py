@@ -169,7 +169,7 @@ def write_random_llama(dst: Path, tokenizer_src: Path, seed: int = 0, *, name: s
 
 # families beside Llama, at real models' shapes (their config.json's values, the Phi-4-mini
 # longrope factors made up: they change angles, not work), with the default model's tokenizer
-# (its pre-tokenizer, bos and eos; padded to their vocabulary sizes by llama.cpp's converter)
+# (its pre-tokenizer, bos and eos; padded with unused tokens to their vocabulary sizes)
 FAMILY_SHAPES = {
     "qwen3": dict(                                              # Qwen3-1.7B
         model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,

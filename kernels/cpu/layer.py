@@ -9,7 +9,7 @@ from numba import njit
 from . import kv
 from .attention import attention_decode, attention_decode_q, store_kv
 from .linear import q_gemv
-from .ops import geglu_row, rmsnorm, rope, swiglu_row
+from .ops import gated, rmsnorm, rope
 
 
 @njit(fastmath=True, cache=True)
@@ -45,28 +45,22 @@ def _layer_rest(x, a, post_norm, eps, o, gate_up, down, attn_out_norm, mlp_out_n
     n_inner = down.lo.shape[1] * 8
     gu = np.empty((T, 2 * n_inner), np.float32)
     q_gemv(rmsnorm(x, post_norm, eps), gate_up, gu, threads)
-    act = np.empty((T, n_inner), np.float32)
-    for t in range(T):
-        if gelu:
-            geglu_row(gu[t], act[t])
-        else:
-            swiglu_row(gu[t], act[t])
-    q_gemv(act, down, y, threads)
+    q_gemv(gated(gu, gelu), down, y, threads)
     x += rmsnorm(y, mlp_out_norm, eps) if mlp_out_norm.shape[0] else y
 
 
 @njit(fastmath=True, cache=True)
 def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, q_norm, k_norm, o, gate_up, down,
-                 attn_out_norm, mlp_out_norm, gelu, k_buf, v_buf, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
+                 attn_out_norm, mlp_out_norm, gelu, k_buf, v_buf, slots, pos, k_pos, score, cos,
+                 sin, n_heads, scale, window, threads):
     """A few tokens x [T, H] (a decode step, a draft's verification) through one decoder layer
     of quantized linears (QLinear: qkv, o, gate_up, down), in place; their K/V go to `slots`
     [G, T] of the cache buffers k_buf, v_buf [G, S, D] (k_pos [G, S] already holds their
     positions `pos` [T]; score as for attention_decode); qkv_b [(Q+2G)*D] the q/k/v biases, or
     empty: none; q_norm, k_norm [D] the per-head norms of q and k, or empty: none; the output
-    norms and `gelu` as for _layer_rest. The ops of
-    the model file's layer (models.llama LlamaModel.layer) in a single call, so the costs of a
-    call from Python are paid once per layer; each token's result is the one it gets alone, to
-    the bit."""
+    norms and `gelu` as for _layer_rest. The ops of the model file's layer (models.llama
+    LlamaModel.layer) in a single call, so the costs of a call from Python are paid once per
+    layer; each token's result is the one it gets alone, to the bit."""
     q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, q_norm, k_norm, cos, sin, n_heads,
                          k_buf.shape[0], k_buf.shape[2], threads)
     store_kv(k_buf, v_buf, slots, k, v)
@@ -77,8 +71,8 @@ def decode_layer(x, in_norm, post_norm, eps, qkv, qkv_b, q_norm, k_norm, o, gate
 
 @njit(fastmath=True, cache=True)
 def decode_layer_q(x, in_norm, post_norm, eps, qkv, qkv_b, q_norm, k_norm, o, gate_up, down,
-                   attn_out_norm, mlp_out_norm, gelu, kc, ks, vc, vs, fk, fv, where, owner, stamp, pin,
-                   slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
+                   attn_out_norm, mlp_out_norm, gelu, kc, ks, vc, vs, fk, fv, where, owner, stamp,
+                   pin, slots, pos, k_pos, score, cos, sin, n_heads, scale, window, threads):
     """decode_layer over a quantized cache (kernels.kv_quant's arrays, float16 ones as uint16
     bits)."""
     q, k, v = _layer_qkv(x, in_norm, eps, qkv, qkv_b, q_norm, k_norm, cos, sin, n_heads,
