@@ -297,7 +297,9 @@ def test_llama_cpp_s_own_gguf_runs_as_transformers(tmp_path, family, outtype):
         # (Q8_0: up to 3.0e-2 seen over seeds, Gemma 3's six layers the most; a layout wrong
         # anywhere gives errors near 1)
         assert rel_err(got[device], want) < (1e-4 if outtype == "f32" else 6e-2), device
-    assert rel_err(got["cpu"], got["reference"]) < 1e-4
+    # the cpu device's Q8_0 kernels round activations to int16 (docs/SPEED.md): 3.5e-5 to 4.2e-5
+    # seen for Llama's four layers, 8.6e-5 to 1.1e-4 for Gemma 3's six with their output norms
+    assert rel_err(got["cpu"], got["reference"]) < (1e-4 if outtype == "f32" else 3e-4)
 
 
 # Qwen2.5-Instruct's chat template as its tokenizer_config.json ships it (tools, tool calls, a
