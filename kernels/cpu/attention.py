@@ -23,13 +23,27 @@ def _hidden(p, q_pos, window):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _row_score(q, h, k, row, Dv):
-    """sum over d of q[h, d] * k[row, d] (k float16 bits or float32 rows): simd.cache_dot for
-    the first Dv columns, a loop for the rest."""
-    acc = simd.cache_dot(q, h, k, row, Dv)
-    for d in range(Dv, q.shape[1]):
-        acc += q[h, d] * simd.as_float(k[row, d])
-    return acc
+def _row_scores(q, h, R, k, row, Dv, scale, out, c):
+    """out[r, c] = scale * sum over d of q[h + r, d] * k[row, d] for r < R (k float16 bits or
+    float32 rows): simd.cache_dots for the first Dv columns, up to HEADS heads per pass over the
+    row, a loop for the rest."""
+    r = 0
+    while r < R:
+        m = min(simd.HEADS, R - r)
+        if m == 4:
+            simd.cache_dots(q, h + r, k, row, Dv, out, r, c, 4)
+        elif m == 3:
+            simd.cache_dots(q, h + r, k, row, Dv, out, r, c, 3)
+        elif m == 2:
+            simd.cache_dots(q, h + r, k, row, Dv, out, r, c, 2)
+        else:
+            simd.cache_dots(q, h + r, k, row, Dv, out, r, c, 1)
+        r += m
+    for r in range(R):
+        acc = out[r, c]
+        for d in range(Dv, q.shape[1]):
+            acc += q[h + r, d] * simd.as_float(k[row, d])
+        out[r, c] = acc * scale
 
 
 @njit(fastmath=True, cache=True)
@@ -64,22 +78,42 @@ def _softmax(scores, n, s0, s1, g, top, total, probs):
             probs[h, s0:s0 + n] = sr[:n]
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _axpy4(e, r, i, v, row, out, h, Dv, m):
+    """simd.cache_axpy4 for the m <= HEADS heads h .. h+m-1 (weights e[r .. r+m-1])."""
+    if m == 4:
+        simd.cache_axpy4(e, r, i, v, row, out, h, Dv, 4)
+    elif m == 3:
+        simd.cache_axpy4(e, r, i, v, row, out, h, Dv, 3)
+    elif m == 2:
+        simd.cache_axpy4(e, r, i, v, row, out, h, Dv, 2)
+    else:
+        simd.cache_axpy4(e, r, i, v, row, out, h, Dv, 1)
+
+
 @njit(fastmath=True, cache=True)
 def _add_rows(e, i0, v, row0, count, out, h, Dv):
-    """out[h] += sum over k < count of e[i0 + k] * v[row0 + k] (v float16 bits or float32
-    rows): simd.cache_axpy4 four rows at a time over the first Dv columns, loops for the rest."""
-    k = 0
-    while k + 4 <= count:
-        simd.cache_axpy4(e, i0 + k, v, row0 + k, out, h, Dv)
-        k += 4
-    for k in range(k, count):
-        x = e[i0 + k]
-        for d in range(Dv):
-            out[h, d] += x * simd.as_float(v[row0 + k, d])
-    for k in range(count):
-        x = e[i0 + k]
-        for d in range(Dv, out.shape[1]):
-            out[h, d] += x * simd.as_float(v[row0 + k, d])
+    """out[h + r] += sum over k < count of e[r, i0 + k] * v[row0 + k] for each head r < R
+    (e [R, m]; v float16 bits or float32 rows): simd.cache_axpy4 four rows and up to HEADS
+    heads at a time over the first Dv columns, loops for the rest."""
+    R = e.shape[0]
+    r = 0
+    while r < R:
+        m = min(simd.HEADS, R - r)
+        k = 0
+        while k + 4 <= count:
+            _axpy4(e, r, i0 + k, v, row0 + k, out, h + r, Dv, m)
+            k += 4
+        r += m
+    for r in range(R):
+        for k in range(count - count % 4, count):
+            x = e[r, i0 + k]
+            for d in range(Dv):
+                out[h + r, d] += x * simd.as_float(v[row0 + k, d])
+        for k in range(count):
+            x = e[r, i0 + k]
+            for d in range(Dv, out.shape[1]):
+                out[h + r, d] += x * simd.as_float(v[row0 + k, d])
 
 
 @njit(fastmath=True, cache=True)
@@ -91,7 +125,7 @@ def _attention_slots(q, kg, vg, pg, o, q_pos, scale, window, s0, s1, g, R, out, 
     [Q, S] (when not empty) gets the e**(score - top). kg, vg: the head's keys and values, slot
     s in row s - o, float16 bits (uint16) or float32 [S - o, D]; pg [S] the positions the slots
     hold. The R heads read the rows while they are in cache; the vector parts are
-    simd.cache_dot / cache_axpy4, the last D % LANES columns a loop."""
+    simd.cache_dots / cache_axpy4, the last D % LANES columns a loop."""
     D = q.shape[1]
     Dv = D - D % simd.LANES
     scores = np.empty((R, s1 - s0), np.float32)
@@ -102,12 +136,10 @@ def _attention_slots(q, kg, vg, pg, o, q_pos, scale, window, s0, s1, g, R, out, 
                 scores[r, s - s0] = -np.inf
             continue
         n = s - s0 + 1
-        for r in range(R):
-            scores[r, s - s0] = _row_score(q, g * R + r, kg, s - o, Dv) * scale
+        _row_scores(q, g * R, R, kg, s - o, Dv, scale, scores, s - s0)
     _softmax(scores, n, s0, s1, g, top, total, probs)
-    for r in range(R):
-        if total[g * R + r] > 0:
-            _add_rows(scores[r], 0, vg, s0 - o, n, out, g * R + r, Dv)
+    if n > 0:                    # (else no visible slot: every head's total is 0)
+        _add_rows(scores, 0, vg, s0 - o, n, out, g * R, Dv)
 
 
 @njit(fastmath=True, cache=True)
@@ -153,9 +185,10 @@ def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, win
         n = a0 + last + 1 - s0
         if e >= 0:
             for i in range(m):
-                for r in range(R):
-                    scores[r, a0 - s0 + i] = _row_score(q, g * R + r, fk[g, e], i, Dv) * scale \
-                        if seen[i] else -np.inf
+                if seen[i]:
+                    _row_scores(q, g * R, R, fk[g, e], i, Dv, scale, scores, a0 - s0 + i)
+                else:
+                    scores[:, a0 - s0 + i] = -np.inf
             continue
         for d in range(D):           # the block's scores, B slots at a time along each channel
             sz[0, d], sz[1, d] = simd.as_float(ks[g, j, 0, d]), simd.as_float(ks[g, j, 1, d])
@@ -176,8 +209,7 @@ def _attention_qslots(q, kc, ks, vc, vs, fk, fv, where, q_pos, k_pos, scale, win
         if not live[j - s0 // B]:        # its weights are all 0
             continue
         if e >= 0:
-            for r in range(R):
-                _add_rows(scores[r], a0 - s0, fv[g, e], 0, m, out, g * R + r, Dv)
+            _add_rows(scores, a0 - s0, fv[g, e], 0, m, out, g * R, Dv)
             continue
         for gi in range(NG):
             for i in range(m):

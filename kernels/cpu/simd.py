@@ -1,5 +1,5 @@
 """Vector loops that Numba cannot be made to write: the integer core of the quantized GEMV, and the
-float16 (or float32) KV cache rows of decode attention (to_cache / as_float, cache_dot,
+float16 (or float32) KV cache rows of decode attention (to_cache / as_float, cache_dots,
 cache_axpy4, fmax at the end of the file).
 
 Numba types integer arithmetic in 64 bits, and LLVM's vectorizer then multiplies the codes by
@@ -442,69 +442,91 @@ def _vector_at(builder, base, offset, half: bool):
     return _to_float(builder, builder.load(ptr, align=2 if half else 4), half)
 
 
-@intrinsic
-def cache_dot(typingctx, q, h, k, s, n):
-    """sum over d < n of q[h, d] * k[s, d] in float32: q float32 [Q, D], k a KV buffer head
-    [S, D] (uint16 float16 bits or float32), n a multiple of LANES."""
-    sig = types.float32(q, h, k, s, n)
+HEADS = 4     # query heads per pass of cache_dots / cache_axpy4 over a KV row (their sums in registers)
+
+
+@intrinsic(prefer_literal=True)
+def cache_dots(typingctx, q, h, k, s, n, out, r, c, heads):
+    """out[r + i, c] = sum over d < n of q[h + i, d] * k[s, d] in float32 for i < heads (a
+    constant, at most HEADS): q float32 [Q, D], k a KV buffer head [S, D] (uint16 float16 bits
+    or float32), out float32 [R, C], n a multiple of LANES. The query heads of one KV head read
+    its row once: each of its vectors is loaded and converted once for all of them. Each head's
+    sum is the one it gets alone (the same products added in the same order)."""
+    count = heads.literal_value
+    sig = types.void(q, h, k, s, n, out, r, c, heads)
 
     def codegen(context, builder, signature, args):
-        q_ty, h_ty, k_ty, s_ty, n_ty = signature.args
+        q_ty, h_ty, k_ty, s_ty, n_ty, out_ty, r_ty, c_ty = signature.args[:8]
         intp = context.get_value_type(types.intp)
-        hv, sv, nv = (context.cast(builder, v, t, types.intp)
-                      for v, t in ((args[1], h_ty), (args[3], s_ty), (args[4], n_ty)))
+        hv, sv, nv, rv, cv = (context.cast(builder, args[j], signature.args[j], types.intp)
+                              for j in (1, 3, 4, 6, 7))
         half = _is_half(k_ty)
         f32 = ir.FloatType()
         vec = ir.VectorType(f32, LANES)
-        q_row = _row_pointer(context, builder, q_ty, args[0], hv)
+        q_rows = [_row_pointer(context, builder, q_ty, args[0],
+                               builder.add(hv, ir.Constant(intp, i))) for i in range(count)]
         k_row = _row_pointer(context, builder, k_ty, args[2], sv)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(vec, None))
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(count)]
         zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
         with cgutils.for_range_slice(builder, zero, nv, step) as (d, _):
-            qv = _vector_at(builder, q_row, d, False)
             kv = _vector_at(builder, k_row, d, half)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(qv, kv, flags=["fast"]),
-                                       flags=["fast"]), acc)
+            for q_row, acc in zip(q_rows, accs):
+                qv = _vector_at(builder, q_row, d, False)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(qv, kv, flags=["fast"]),
+                                           flags=["fast"]), acc)
         reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vec]),
                                                 f"llvm.vector.reduce.fadd.v{LANES}f32")
-        return builder.call(reduce, [ir.Constant(f32, 0), builder.load(acc)], fastmath=("fast",))
+        out_arr = context.make_array(out_ty)(context, builder, args[5])
+        for i, acc in enumerate(accs):
+            total = builder.call(reduce, [ir.Constant(f32, 0), builder.load(acc)],
+                                 fastmath=("fast",))
+            row = builder.add(rv, ir.Constant(intp, i))
+            builder.store(total, cgutils.get_item_pointer(context, builder, out_ty, out_arr,
+                                                          [row, cv]))
+        return context.get_dummy_value()
 
     return sig, codegen
 
 
-@intrinsic
-def cache_axpy4(typingctx, e, i, v, s, out, h, n):
-    """out[h, :n] += e[i] v[s] + e[i+1] v[s+1] + e[i+2] v[s+2] + e[i+3] v[s+3] (rows, d < n)
-    in float32: e float32 [>= i+4], v a KV buffer head [S, D] (uint16 float16 bits or float32),
-    out float32 [Q, D], n a multiple of LANES. Four rows per pass over out: one load and store
-    of out per four rows."""
-    sig = types.void(e, i, v, s, out, h, n)
+@intrinsic(prefer_literal=True)
+def cache_axpy4(typingctx, e, r, i, v, s, out, h, n, heads):
+    """out[h + j, :n] += e[r + j, i] v[s] + e[r + j, i+1] v[s+1] + e[r + j, i+2] v[s+2]
+    + e[r + j, i+3] v[s+3] (rows, d < n) in float32 for j < heads (a constant, at most HEADS):
+    e float32 [R, m] (the heads' weights), v a KV buffer head [S, D] (uint16 float16 bits or
+    float32), out float32 [Q, D], n a multiple of LANES. The four rows' vectors are loaded and
+    converted once for all the heads; one load and store of a head's out per four rows."""
+    count = heads.literal_value
+    sig = types.void(e, r, i, v, s, out, h, n, heads)
 
     def codegen(context, builder, signature, args):
-        e_ty, _, v_ty, _, out_ty = signature.args[:5]
+        e_ty, _, _, v_ty, _, out_ty = signature.args[:6]
         intp = context.get_value_type(types.intp)
-        iv, sv, hv, nv = (context.cast(builder, args[j], signature.args[j], types.intp)
-                          for j in (1, 3, 5, 6))
+        rv, iv, sv, hv, nv = (context.cast(builder, args[j], signature.args[j], types.intp)
+                              for j in (1, 2, 4, 6, 7))
         half = _is_half(v_ty)
         f32 = ir.FloatType()
         vec = ir.VectorType(f32, LANES)
         e_arr = context.make_array(e_ty)(context, builder, args[0])
-        weights, rows = [], []
-        for j in range(4):
-            idx = builder.add(iv, ir.Constant(intp, j))
-            x = builder.load(cgutils.get_item_pointer(context, builder, e_ty, e_arr, [idx]))
-            weights.append(_splat(builder, x))
-            rows.append(_row_pointer(context, builder, v_ty, args[2],
-                                     builder.add(sv, ir.Constant(intp, j))))
-        out_row = _row_pointer(context, builder, out_ty, args[4], hv)
+        rows = [_row_pointer(context, builder, v_ty, args[3],
+                             builder.add(sv, ir.Constant(intp, t))) for t in range(4)]
+        weights, out_rows = [], []
+        for j in range(count):
+            er = builder.add(rv, ir.Constant(intp, j))
+            weights.append([_splat(builder, builder.load(cgutils.get_item_pointer(
+                context, builder, e_ty, e_arr, [er, builder.add(iv, ir.Constant(intp, t))])))
+                for t in range(4)])
+            out_rows.append(_row_pointer(context, builder, out_ty, args[5],
+                                         builder.add(hv, ir.Constant(intp, j))))
         zero, step = ir.Constant(intp, 0), ir.Constant(intp, LANES)
         with cgutils.for_range_slice(builder, zero, nv, step) as (d, _):
-            ptr = builder.bitcast(builder.gep(out_row, [d]), vec.as_pointer())
-            total = builder.load(ptr, align=4)
-            for w, row in zip(weights, rows):
-                x = _vector_at(builder, row, d, half)
-                total = builder.fadd(total, builder.fmul(w, x, flags=["fast"]), flags=["fast"])
-            builder.store(total, ptr, align=4)
+            xs = [_vector_at(builder, row, d, half) for row in rows]
+            for ws, out_row in zip(weights, out_rows):
+                ptr = builder.bitcast(builder.gep(out_row, [d]), vec.as_pointer())
+                total = builder.load(ptr, align=4)
+                for w, x in zip(ws, xs):
+                    total = builder.fadd(total, builder.fmul(w, x, flags=["fast"]),
+                                         flags=["fast"])
+                builder.store(total, ptr, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
