@@ -104,6 +104,18 @@ def tokenizer_fields(src: Path) -> list[tuple[str, object, object, object]]:
     return out
 
 
+def random_weight(seed: int, i: int, shape: tuple, std: float | None,
+                  norm_center: float = 1.0) -> np.ndarray:
+    """Tensor i of a random model, float32: normal with deviation `std`, or for a norm (std
+    None) norm_center + 0.02 N (Gemma's norms scale by 1 + w: center 0). Seeded by (seed, i),
+    so one tensor is made at a time."""
+    x = np.random.default_rng([seed, i]).standard_normal(shape, dtype=np.float32)
+    if std is None:
+        return norm_center + 0.02 * x
+    x *= std
+    return x
+
+
 def write_random_llama(dst: Path, tokenizer_src: Path, seed: int = 0, *, name: str, hidden: int,
                        layers: int, heads: int, kv_heads: int, ffn: int, context: int,
                        rope_theta: float, rms_eps: float) -> None:
@@ -153,15 +165,9 @@ def write_random_llama(dst: Path, tokenizer_src: Path, seed: int = 0, *, name: s
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for i, (name, shape, s) in enumerate(tensors):
-        rng = np.random.default_rng([seed, i])
-        x = rng.standard_normal(shape, dtype=np.float32)
-        if s is None:
-            x = 1 + 0.02 * x
-        else:
-            x *= s
-            x = x.astype(np.float16)
-        w.write_tensor_data(x)
+    for i, (name, shape, dev) in enumerate(tensors):
+        x = random_weight(seed, i, shape, dev)
+        w.write_tensor_data(x if dev is None else x.astype(np.float16))
         del x
     w.close()
     tmp.rename(dst)
@@ -208,6 +214,7 @@ def write_random_hf(dst: Path, tokenizer_src: Path, config: dict, seed: int = 0)
 
     from tinyrt.gguf_tokenizer import tokenizer_files
     from tinyrt.models.gguf import GGUFFile
+    from tinyrt.models.weights import write_safetensors
 
     cfg = AutoConfig.for_model(**config, bos_token_id=1, eos_token_id=2)
     with torch.device("meta"):
@@ -231,26 +238,18 @@ def write_random_hf(dst: Path, tokenizer_src: Path, config: dict, seed: int = 0)
                                                  "tokenizer_class": "GPT2Tokenizer"})
     for name, text in files.items():
         (dst / name).write_text(text)
-    layers = cfg.num_hidden_layers
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape in shapes.items():
-        size = 2 * int(np.prod(shape))
-        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    gemma = config["model_type"].startswith("gemma")
-    with open(dst / "model.safetensors", "wb") as f:
-        f.write(len(head).to_bytes(8, "little") + head)
-        for i, (name, shape) in enumerate(shapes.items()):
-            x = np.random.default_rng([seed, i]).standard_normal(shape, dtype=np.float32)
-            if name.endswith("norm.weight"):      # Gemma's norms scale by 1 + w
-                x = 0.02 * x + (0 if gemma else 1)
-            else:
-                x *= 0.02 / np.sqrt(2 * layers) if name.endswith(("o_proj.weight",
-                                                                   "down_proj.weight")) else 0.02
-            f.write(x.astype(np.float16).tobytes())
-            del x
+    std, out_std = 0.02, 0.02 / np.sqrt(2 * cfg.num_hidden_layers)
+    center = 0.0 if config["model_type"].startswith("gemma") else 1.0
+
+    def weight(name: str) -> float | None:
+        return (None if name.endswith("norm.weight") else
+                out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std)
+
+    write_safetensors(dst / "model.safetensors",
+                      [(name, np.float16, shape) for name, shape in shapes.items()],
+                      (random_weight(seed, i, shape, weight(name), center).astype(np.float16)
+                       for i, (name, shape) in enumerate(shapes.items())),
+                      metadata={"format": "pt"})
 
 
 def write_family_gguf(dst: Path, tokenizer_src: Path, shape: str, seed: int = 0) -> None:
