@@ -442,7 +442,7 @@ def _vector_at(builder, base, offset, half: bool):
     return _to_float(builder, builder.load(ptr, align=2 if half else 4), half)
 
 
-HEADS = 4     # query heads per pass of cache_dots / cache_axpy4 over a KV row (their sums in registers)
+HEADS = 4     # query heads per pass of cache_dots / cache_axpy4 over a KV row (sums in registers)
 
 
 @intrinsic(prefer_literal=True)
