@@ -254,7 +254,8 @@ def ring_positions(G, S, q_pos, free=0.2):
 def test_attention_decode(ratio, S, window, dtype, D):
     """Over a ring buffer of float16 or float32 elements whose KV heads hold different
     positions; 700 slots: split among tasks, the partial softmaxes merged; head size 24: the
-    columns past the vector part; 7 and 8 query heads per KV head: passes of 4 heads and fewer. The attention weights added to H2O scores as well."""
+    columns past the vector part; 7 and 8 query heads per KV head: passes of 4 heads and fewer.
+    The attention weights added to H2O scores as well."""
     G = 2
     q = rng.standard_normal((1, G * ratio, D)).astype(np.float32)
     k, v = (rng.standard_normal((G, S + 2, D)).astype(dtype) for _ in range(2))
