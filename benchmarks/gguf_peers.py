@@ -182,11 +182,29 @@ def weights_note(llm, path) -> dict:
         return {"weight_note_error": f"{type(e).__name__}: {e}"}
 
 
+def kv_note(llm) -> dict:
+    """What a decoded token reads of the K/V cache besides the weights: each layer's bytes per
+    cached token and its window (0: none), so that the parent counts min(context, window)
+    tokens a layer at the run's mean context (as `tinyrt bench` counts its decode GB/s)."""
+    cfg = llm.config
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 2      # K and V, float16 (default)
+    return {"kv_layer_bytes": per_layer,
+            "kv_windows": [cfg.window(i) or 0 for i in range(cfg.num_hidden_layers)]}
+
+
+def kv_mb(e: dict, context: float) -> float:
+    """The K/V megabytes a decode step reads at `context` tokens (kv_note's figures; 0 without
+    them)."""
+    return sum(min(context, w) if w else context
+               for w in e.get("kv_windows", [])) * e.get("kv_layer_bytes", 0) / 1e6
+
+
 class Tinyrt:
     def __init__(self, path: str, threads: int):
         self.llm = load_tinyrt(path, threads, kv_size=4096)
         # (its own load time, as `tinyrt bench` reports it: without the imports)
-        self.info = {**weights_note(self.llm, path), "tinyrt_load_s": self.llm.load_s}
+        self.info = {**weights_note(self.llm, path), "tinyrt_load_s": self.llm.load_s,
+                     **kv_note(self.llm)}
 
     def tokenize(self, text: str) -> list[int]:
         return [int(i) for i in self.llm.tokenizer.encode(text, add_special=True)]
@@ -505,10 +523,20 @@ def speed_table(results: list[dict]) -> str:
         if "model_dir" in r:
             notes.append(f"{f}: {MODEL_DIR} is tinyrt on {r['model_dir']}")
         if r.get("read_gb_s"):
-            notes.append(f"{f}: a plain {r['threads']}-thread read of memory ran at "
-                         f"{statistics.median(r['read_gb_s']):.1f} GB/s (median of the rounds; "
-                         f"{min(r['read_gb_s']):.1f}-{max(r['read_gb_s']):.1f}): the decode speed "
-                         "that reading the weights alone allows is that / the weights' bytes")
+            read = statistics.median(r["read_gb_s"])
+            notes.append(f"{f}: a plain {r['threads']}-thread read of memory ran at {read:.1f} GB/s "
+                         f"(median of the rounds; {min(r['read_gb_s']):.1f}-"
+                         f"{max(r['read_gb_s']):.1f}): the decode speed that reading the weights "
+                         "alone allows is that / the weights' bytes")
+            t = r["engines"].get("tinyrt", {})
+            weights = streamed(r, t)
+            if weights:
+                context = r["prompt_tokens"] + r["decode_tokens"] / 2
+                both = weights + t["decode_tok_s"] * kv_mb(t, context) / 1e3
+                notes.append(f"{f}: tinyrt's decode read its weights at {weights:.1f} GB/s "
+                             f"({weights / read:.0%} of the plain read), its weights and K/V "
+                             f"cache at {both:.1f} GB/s ({both / read:.0%}; the mean context of "
+                             f"{context:.0f} tokens)")
         if r.get("prompt_ids_agree") is False:
             notes.append(f"{f}: tinyrt's tokenization of the prompt text differs from llama.cpp's "
                          f"at token {r['prompt_ids_first_difference']} (both ran llama.cpp's ids)")
