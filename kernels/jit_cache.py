@@ -5,10 +5,12 @@ Every kernel compiles with cache=True: Numba keeps its machine code in files bes
 a process killed while writing it) or damaged otherwise would make that read raise, and every
 start after it fail. `guard()` makes such a file a cache miss: it is removed, the kernel compiles
 again and its cache is written anew, with a warning. A stale cache (the sources changed since)
-Numba detects by the timestamp and size of the kernel's own file; a kernel here also compiles in
-code from the other files of its package (simd's intrinsics, the attention a fused layer calls),
-so `guard()` makes every file of the kernel's folder part of the stamp: an upgrade that changes
-only cpu/simd.py compiles every CPU kernel again.
+Numba detects by a stamp of the kernel's own file: its timestamp and size. `guard()` stamps a
+kernel of tinyrt by the contents of every file of its folder instead: a kernel also compiles in
+code from the other files there (simd's intrinsics, the attention a fused layer calls), so an
+upgrade that changes only cpu/simd.py compiles every CPU kernel again; and a reinstall of the
+same sources (`pip install ".[server]"` to add an extra writes every file anew) keeps the
+compiled kernels, where the timestamps would have made them all stale (87 s of compiling).
 
 `on_first_compile(say)` tells the user when a kernel is about to compile (a cache miss: the
 first run on a machine, or after an upgrade) rather than leave tens of seconds unexplained.
@@ -17,6 +19,7 @@ first run on a machine, or after an upgrade) rather than leave tens of seconds u
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -29,9 +32,22 @@ HERE = Path(__file__).resolve().parent
 PACKAGE = HERE.parent    # the installed tinyrt: kernels/, and models/ (whose repacking compiles)
 
 
+_DIGESTS: dict[Path, str] = {}
+
+
+def folder_digest(folder: Path) -> str:
+    """SHA-256 of the names and contents of the Python files of `folder` (once a process)."""
+    if folder not in _DIGESTS:
+        h = hashlib.sha256()
+        for f in sorted(folder.glob("*.py")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        _DIGESTS[folder] = h.hexdigest()
+    return _DIGESTS[folder]
+
+
 def _stamp_sources() -> None:
-    """Numba's stamp of a kernel's source file, for a file under this folder, with the
-    timestamps and sizes of all the files of the kernel's own folder."""
+    """Numba's stamp of a kernel's source file, for a file of tinyrt's kernels/ or models/: the
+    contents of all the files of the kernel's own folder (not their timestamps)."""
     mixin = getattr(caching, "_SourceFileBackedLocatorMixin", None)
     if mixin is None or getattr(mixin, "_tinyrt_guarded", False) or \
             not callable(getattr(mixin, "get_source_stamp", None)):
@@ -39,20 +55,18 @@ def _stamp_sources() -> None:
     own = mixin.get_source_stamp
 
     def get_source_stamp(self):
-        stamp = own(self)
         folder = Path(getattr(self, "_py_file", "")).resolve().parent
-        if folder != HERE and HERE not in folder.parents:
-            return stamp
-        files = sorted(folder.glob("*.py"))
-        return stamp, tuple((f.name, f.stat().st_mtime, f.stat().st_size) for f in files)
+        if folder not in (HERE, PACKAGE / "models") and HERE not in folder.parents:
+            return own(self)
+        return "sha256", folder_digest(folder)
 
     mixin.get_source_stamp, mixin._tinyrt_guarded = get_source_stamp, True
 
 
 def guard() -> None:
-    """Make a damaged cache file a cache miss, and the cache of a kernel here stale when any
-    file of its folder changed (idempotent). A Numba whose cache reads files otherwise
-    (these are its internals) is left as it is."""
+    """Make a damaged cache file a cache miss, and the cache of a kernel of tinyrt stale when
+    the contents of any file of its folder changed (idempotent). A Numba whose cache reads
+    files otherwise (these are its internals) is left as it is."""
     _stamp_sources()
     cls = getattr(caching, "IndexDataCacheFile", None)
     if cls is None or getattr(cls, "_tinyrt_guarded", False) or not all(

@@ -83,3 +83,33 @@ def test_a_change_in_the_intrinsics_file_compiles_again(tmp_path):
     again = attention_cache()
     assert any("data saved" in line for line in again)
     assert not any("data loaded" in line for line in again)
+
+
+def test_the_same_sources_written_anew_keep_their_compiled_kernels(tmp_path):
+    """A reinstall (adding an extra) writes every file anew, the same contents with new
+    timestamps: the cached machine code is still the kernels', and must be loaded, not rebuilt
+    (the stamp is the folder's contents)."""
+    import shutil
+
+    from tinyrt import kernels
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(Path(kernels.__file__).parent, pkg / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), NUMBA_DEBUG_CACHE="1",
+               PYTHONPATH=str(pkg))
+
+    def attention_cache():
+        r = subprocess.run([sys.executable, "-c", SIMD_SCRIPT], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stdout.splitlines() if "attention_decode" in line]
+
+    assert any("data saved" in line for line in attention_cache())
+    later = 2_000_000_000                      # (a time well after any file's own)
+    for f in (pkg / "kernels").rglob("*.py"):
+        f.write_bytes(f.read_bytes())
+        os.utime(f, (later, later))
+    again = attention_cache()
+    assert any("data loaded" in line for line in again)
+    assert not any("data saved" in line for line in again)
