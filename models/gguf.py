@@ -596,6 +596,18 @@ class GGUFWeights(ModelWeights):
 
     config_name = "its metadata"
 
+    # llama.cpp's sampling keys (its converter writes them from generation_config.json) -> the
+    # names generation_config.json gives them
+    SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                "general.sampling.penalty_repeat": "repetition_penalty"}
+
+    def sampling(self) -> dict:
+        """The sampling settings the file's metadata asks for, under generation_config.json's
+        names (values as stored: the caller checks them)."""
+        return {hf: self.file.get(key) for key, hf in self.SAMPLING.items()
+                if self.file.get(key) is not None}
+
     def _stored_name(self, hf: str) -> str:
         gguf = self.file._gguf_names.get(hf)
         return f"{gguf} ({hf})" if gguf else hf

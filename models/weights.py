@@ -341,6 +341,11 @@ class ModelWeights:
     name: str = ""      # the file or directory, for messages
     config_name = "the config"      # what sets the sizes, for messages
 
+    def sampling(self) -> dict:
+        """Sampling settings stored with the weights, under generation_config.json's names (a
+        directory has none here: its generation_config.json is the runtime's to read)."""
+        return {}
+
     def check_shapes(self, have: dict[str, tuple[int, ...]]) -> None:
         """Refuse weights (`have`: HF name -> shape) that do not hold the config's model, before
         anything is allocated: first the layer count, against the layers the file holds (the

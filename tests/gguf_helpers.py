@@ -43,10 +43,11 @@ def random_kquant(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
 
 def write_gguf(path: Path, cfg: dict, weights: dict, tokenizer_json: str | None, *,
                qtype: str = "F32", chat_template: str | None = None, pre: str = "default",
-               kquant_rng=None, arch: str = "llama") -> dict:
+               kquant_rng=None, arch: str = "llama", metadata: dict | None = None) -> dict:
     """Write `weights` (HF names/layout) as a GGUF of `arch` (llama: Q/K rows permuted as
     llama.cpp's converter does; qwen2: not). 2-D weights are stored as `qtype`; norms and
-    biases as F32. Returns the float weights as llama.cpp would read them back (HF layout)."""
+    biases as F32; `metadata` keys added as float32 or int32 values. Returns the float weights
+    as llama.cpp would read them back (HF layout)."""
     import json
 
     import gguf
@@ -89,6 +90,8 @@ def write_gguf(path: Path, cfg: dict, weights: dict, tokenizer_json: str | None,
         w.add_add_bos_token(False)
     if chat_template:
         w.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
     back = {}
     for name, a in weights.items():
         a = a.astype(np.float32)

@@ -399,3 +399,31 @@ def test_per_layer_head_counts_that_agree_are_read_as_one(tmp_path):
     assert GGUFFile(per_layer).config() == GGUFFile(plain).config()
     ids = [5, 70, 3, 200]
     np.testing.assert_array_equal(_ours_logits(per_layer, ids), _ours_logits(plain, ids))
+
+
+def test_a_gguf_s_sampling_metadata_is_its_default(tmp_path, capsys):
+    """llama.cpp's `general.sampling.*` keys (its converter writes them from a model's
+    generation_config.json) are the file's sampling defaults, and say so; what they do not set
+    is tinyrt's; a value the sampler cannot use is a warning and the default."""
+    import tinyrt
+    from tinyrt.sampling import SamplingParams
+
+    cfg = tiny_config()
+    path, _, _ = _tiny_gguf(tmp_path, cfg, "F32", metadata={
+        "general.sampling.temp": 0.65, "general.sampling.top_k": 7,
+        "general.sampling.min_p": -1.0})
+    llm = tinyrt.load(str(path), device="cpu", quiet=True)
+    assert llm.sampling_defaults() == {"temperature": np.float32(0.65).item(), "top_k": 7}
+    sources = llm.sampling_sources()
+    assert sources["temperature"] == (np.float32(0.65).item(), "GGUF metadata")
+    assert sources["top_k"] == (7, "GGUF metadata")
+    plain = SamplingParams()
+    assert sources["top_p"] == (plain.top_p, "tinyrt")
+    assert sources["min_p"] == (plain.min_p, "tinyrt")
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert len(warned) == 1 and str(path) in warned[0] and "min_p" in warned[0], warned
+    # the defaults are what a reply samples with: the same text as the settings given outright
+    kw = dict(max_tokens=12, ignore_eos=True, seed=3)
+    stated = llm.generate("hi", temperature=np.float32(0.65).item(), top_k=7, **kw)
+    assert llm.generate("hi", **kw) == stated
+    assert llm.generate("hi", temperature=0.8, top_k=40, **kw) != stated

@@ -249,11 +249,12 @@ def test_an_unknown_option_is_refused_naming_the_closest(name, flags, words):
 
 
 def test_the_default_samples_with_a_repeat_penalty_and_greedy_has_none():
-    """The defaults (llama.cpp's sampling, ollama's repeat penalty) sample; temperature 0 is the
-    plain argmax, with no penalty unless one is asked for."""
+    """The defaults (a low temperature for small models, llama.cpp's top-k and min-p, ollama's
+    repeat penalty) sample; temperature 0 is the plain argmax, with no penalty unless one is
+    asked for."""
     p = SamplingParams()
     assert p.temperature == DEFAULT_TEMPERATURE > 0 and p.repeat_penalty == DEFAULT_REPEAT_PENALTY > 1
-    assert (p.top_k, p.top_p, p.min_p) == (40, 0.95, 0.05)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.2, 40, 0.9, 0.05)
     assert SamplingParams(temperature=0).repeat_penalty == 1.0
     assert SamplingParams(temperature=1e-320).repeat_penalty == 1.0       # (greedy too)
     assert SamplingParams(temperature=0, repeat_penalty=1.3).repeat_penalty == 1.3

@@ -25,8 +25,8 @@ from .models import load_model, trim_heap, warm_up
 from .memory import cpu_count
 from .models.weights import FLOAT_TYPES
 from .paths import read_json
-from .sampling import (DEFAULT_MAX_TOKENS, Sampler, SamplingParams, SettingError, check_settings,
-                       check_value, unknown_option)
+from .sampling import (DEFAULT_MAX_TOKENS, SHOWN_SETTINGS, Sampler, SamplingParams, SettingError,
+                       check_settings, check_value, unknown_option)
 from .speculative import MAX_GAMMA, SpeculativeGeneration, make_drafter
 from .tokenizer import load_tokenizer
 
@@ -251,28 +251,38 @@ class LLM:
         return a.tolist()
 
     def sampling_defaults(self) -> dict:
-        """Sampling settings the model's generation_config.json asks for."""
-        return dict(self._sampling_defaults)
+        """Sampling settings the model asks for: its generation_config.json's, else its GGUF
+        metadata's (llama.cpp's `general.sampling.*`); the sampler's own defaults fill the rest."""
+        return {k: v for k, (v, _) in self._sampling_defaults.items()}
+
+    def sampling_sources(self) -> dict:
+        """Every default setting of the sampler as it applies to this model: name -> (value,
+        where it comes from: "generation_config.json", "GGUF metadata" or "tinyrt")."""
+        params = SamplingParams(**self.sampling_defaults())
+        return {name: self._sampling_defaults.get(name, (getattr(params, name), "tinyrt"))
+                for name in SHOWN_SETTINGS}
 
     @functools.cached_property
     def _sampling_defaults(self) -> dict:
         # a value the sampler cannot use (top_k 2.5, a string) is left out, with one line: the
         # model still runs, on the default, as it would without the file
-        g = self.generation_config
+        sources = [("GGUF metadata", self.model.weights.sampling(), self.directory),
+                   ("generation_config.json", self.generation_config,
+                    self.directory / "generation_config.json")]
         names = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
                  ("min_p", "min_p"), ("repeat_penalty", "repetition_penalty"))
         d = {}
-        for ours, theirs in names:
-            try:
-                value = check_value(ours, g.get(theirs), theirs)
-            except SettingError as e:
-                print(f"warning: {self.directory / 'generation_config.json'}: {e}; using the "
-                      "default", file=sys.stderr)
-                continue
-            if value is not None:
-                d[ours] = value
-        if g.get("do_sample") is False:
-            d["temperature"] = 0.0
+        for source, g, where in sources:             # the later source wins
+            for ours, theirs in names:
+                try:
+                    value = check_value(ours, g.get(theirs), theirs)
+                except SettingError as e:
+                    print(f"warning: {where}: {e}; using the default", file=sys.stderr)
+                    continue
+                if value is not None:
+                    d[ours] = value, source
+            if g.get("do_sample") is False:
+                d["temperature"] = 0.0, source
         return d
 
     # -- generation ---------------------------------------------------------------------------
