@@ -1,6 +1,7 @@
 """`tinyrt serve`: the OpenAI-compatible server, run for real (uvicorn on a free localhost port)
-and spoken to with the official `openai` client: chat and completions, whole and streamed, models,
-auth, errors, the queue, cancelling mid-stream, and reusing the KV cache across turns."""
+and spoken to with the official `openai` client: chat, completions and the Responses API, whole and
+streamed, models, auth, errors, the queue, cancelling mid-stream, and reusing the KV cache across
+turns; ollama's API spoken to with the official `ollama` client; any model's name; the log."""
 
 import json
 import os
@@ -14,13 +15,14 @@ import time
 import urllib.error
 import urllib.request
 
+import ollama
 import openai
 import pytest
 import uvicorn
 
 import tinyrt
 from helpers import tiny_config, write_tiny_model
-from tinyrt.cli.serve import MAX_BODY
+from tinyrt.cli.serve import MAX_BODY, model_names
 from tinyrt.server import Server
 
 KEY = "sesame"
@@ -33,11 +35,12 @@ def tiny(tmp_path_factory):
 
 
 class Running:
-    """A Server on uvicorn in a thread, on a port the OS picked."""
+    """A Server on uvicorn in a thread, on a port the OS picked; its log lines in `lines`."""
 
-    def __init__(self, llm, *, api_key=None, max_queue=8, max_body=MAX_BODY):
-        self.llm = llm
-        self.server = Server(llm, "tiny", api_key=api_key, max_queue=max_queue, max_body=max_body)
+    def __init__(self, llm, *, api_key=None, max_queue=8, max_body=MAX_BODY, **options):
+        self.llm, self.lines = llm, []
+        self.server = Server(llm, "tiny", api_key=api_key, max_queue=max_queue, max_body=max_body,
+                             log=self.lines.append, **options)
         self.server.engine.start()
         config = uvicorn.Config(self.server.app(), host="127.0.0.1", port=0, log_level="error")
         self.web = uvicorn.Server(config)
@@ -51,6 +54,7 @@ class Running:
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none",
                                     max_retries=0, timeout=60)
+        self.ollama = ollama.Client(host=self.url, timeout=60)
 
     def health(self) -> dict:
         return json.loads(urllib.request.urlopen(self.url + "/health", timeout=10).read())
@@ -60,6 +64,13 @@ class Running:
         while (h := self.health())["running"] or h["waiting"]:
             assert time.monotonic() < deadline, "the engine did not go idle"
             time.sleep(0.01)
+
+    def alone(self, ask):
+        """`ask()` on an empty cache (as a fresh LLM has it): replies compared token for token
+        come from the same cache state."""
+        self.idle()
+        self.llm.reset()
+        return ask()
 
     def stop(self) -> None:
         self.web.should_exit = True
@@ -272,10 +283,6 @@ def test_errors_have_openai_s_shape_and_status(served):
     for body in (b"{not json", b"[1, 2]", b'{"messages": NaN}', b"\xff\xfe"):
         status, err = post(url, body)
         assert status == 400 and err["error"]["code"] == "invalid_json"
-    with pytest.raises(openai.NotFoundError) as e:
-        served.client.chat.completions.create(model="llama-70b", messages=[
-            {"role": "user", "content": "hi"}])
-    assert e.value.body["code"] == "model_not_found" and "tiny" in e.value.body["message"]
     status, err = post(url, b'{"messages": [{"role": "user", "content": "' + b"x" * MAX_BODY + b'"}]}')
     assert status == 413 and err["error"]["code"] == "body_too_large"
     with pytest.raises(openai.BadRequestError) as e:   # the cache holds 256 tokens
@@ -298,9 +305,358 @@ def test_api_key(tiny):
                 bad.models.list()
         status, _ = post(run.url + "/v1/completions", b'{"prompt": "x"}')
         assert status == 401
+        with pytest.raises(openai.AuthenticationError):
+            bad.responses.create(model="tiny", input="hi")
+        # ollama's API too: a key the ollama client sends as a header
+        keyed = ollama.Client(host=run.url, headers={"Authorization": f"Bearer {KEY}"})
+        assert [m.model for m in keyed.list().models] == ["tiny"]
+        for call in (run.ollama.list, lambda: run.ollama.chat(model="tiny", messages=[
+                {"role": "user", "content": "hi"}]), lambda: run.ollama.show("tiny")):
+            with pytest.raises(ollama.ResponseError) as e:
+                call()
+            assert e.value.status_code == 401 and "API key" in e.value.error
         assert run.health()["status"] == "ok"        # (monitoring needs no key)
     finally:
         run.stop()
+
+
+# -- any model's name ------------------------------------------------------------------------------
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_any_model_name_is_the_served_model(served):
+    """As llama-server serving one model: whatever model a client names (an alias, another
+    vendor's, none), the one model answers, and the reply names it. A lookup of one model by
+    name still says whether the server has it."""
+    for model in ("default", "gpt-4o-mini", "smollm2", ""):
+        r = served.client.chat.completions.create(model=model, messages=HI, max_tokens=2)
+        assert r.model == "tiny" and r.usage.completion_tokens >= 1
+    r = served.client.completions.create(model="gpt-3.5-turbo-instruct", prompt="x", max_tokens=2)
+    assert r.model == "tiny"
+    status, body = post(served.url + "/v1/chat/completions",
+                        json.dumps({"messages": HI, "max_tokens": 2}).encode())
+    assert status == 200 and body["model"] == "tiny"
+    assert served.ollama.chat(model="llama3.2", messages=HI, options={"num_predict": 2}).model \
+        == "tiny"
+    assert [m.id for m in served.client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError):
+        served.client.models.retrieve("gpt-4o")
+
+
+def test_strict_model_refuses_other_names(tiny):
+    """strict_model (`tinyrt serve --strict-model`): the served model's name, its aliases (with
+    ollama's ':latest' or without) and nothing else."""
+    run = Running(tinyrt.LLM(tiny, device="reference", kv_size=128), strict_model=True,
+                  aliases=("tiny", "smol"))
+    try:
+        for model in ("tiny", "smol", "smol:latest"):
+            r = run.client.chat.completions.create(model=model, messages=HI, max_tokens=2)
+            assert r.model == "tiny"
+        assert run.client.models.retrieve("smol").id == "tiny"
+        for ask in (lambda m: run.client.chat.completions.create(model=m, messages=HI),
+                    lambda m: run.client.completions.create(model=m, prompt="x"),
+                    lambda m: run.client.responses.create(model=m, input="x")):
+            with pytest.raises(openai.NotFoundError) as e:
+                ask("gpt-4o")
+            assert e.value.body["code"] == "model_not_found" and "tiny" in e.value.body["message"]
+        for ask in (lambda m: run.ollama.chat(model=m, messages=HI), run.ollama.show,
+                    lambda m: run.ollama.generate(model=m, prompt="x")):
+            with pytest.raises(ollama.ResponseError) as e:
+                ask("llama3.2")
+            assert e.value.status_code == 404 and "'llama3.2' does not exist" in e.value.error
+    finally:
+        run.stop()
+
+
+def test_model_names_of_a_known_model():
+    """The names `tinyrt serve` answers to: MODEL as given, and a known model's name and
+    aliases whichever of them is given."""
+    from tinyrt.model_cache import DEFAULT_MODEL
+
+    default = model_names(None)
+    assert default[0] == DEFAULT_MODEL and {"default", "smollm2"} <= set(default)
+    assert model_names("smollm2")[0] == "smollm2" and set(model_names("smollm2")) == set(default)
+    assert model_names("models/mine.gguf") == ["models/mine.gguf"]
+
+
+# -- the Responses API -----------------------------------------------------------------------------
+
+QUESTION = "What is the capital of France?"
+SYSTEM = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_responses_is_the_chat_reply_whole(served):
+    """/v1/responses with the openai client's responses.create: `instructions` and `input` (a
+    string, or messages with input_text parts) are the chat endpoint's system and user
+    messages, max_output_tokens its max_tokens; the reply, its usage and its status."""
+    chat = served.alone(lambda: served.client.chat.completions.create(
+        model="tiny", messages=SYSTEM, max_tokens=12, **GREEDY))
+    want = chat.choices[0].message.content
+    assert want
+    r = served.alone(lambda: served.client.responses.create(
+        model="gpt-4.1", instructions="Be brief.", input=QUESTION, max_output_tokens=12, **GREEDY))
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == "tiny"
+    assert r.output_text == want and r.output[0].role == "assistant"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 12
+    assert r.usage.total_tokens == r.usage.input_tokens + 12
+    parts = [{"type": "input_text", "text": "What is the capital"},
+             {"type": "input_text", "text": " of France?"}]
+    listed = served.alone(lambda: served.client.responses.create(
+        model="tiny", input=[{"role": "developer", "content": "Be brief."},
+                             {"role": "user", "content": parts}], max_output_tokens=12, **GREEDY))
+    assert listed.output_text == want
+    # a reply cut by a stop string is complete
+    stop = want[3:5]
+    cut = served.alone(lambda: served.client.responses.create(
+        model="tiny", instructions="Be brief.", input=QUESTION, max_output_tokens=12,
+        temperature=0, extra_body={"ignore_eos": True, "stop": [stop]}))
+    assert cut.status == "completed" and cut.output_text == want[:want.index(stop)]
+
+
+def test_responses_streamed_events(served):
+    """stream=True: the Responses API's events as the openai client parses them, in order and
+    numbered; their text is the whole reply's; the client's stream helper assembles it."""
+    whole = served.alone(lambda: served.client.responses.create(
+        model="tiny", instructions="Be brief.", input=QUESTION, max_output_tokens=12, **GREEDY))
+    stop = whole.output_text[3:5]
+    want = whole.output_text[:whole.output_text.index(stop)]
+    kw = dict(model="tiny", instructions="Be brief.", input=QUESTION, max_output_tokens=12,
+              temperature=0, extra_body={"ignore_eos": True, "stop": [stop]})
+    events = served.alone(lambda: list(served.client.responses.create(**kw, stream=True)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events[4:-4]) == want and events[-4].text == want
+    assert events[0].response.status == "in_progress" and events[0].response.model == "tiny"
+    done = events[-1].response
+    assert done.status == "completed" and done.output_text == want
+    assert done.usage.input_tokens == whole.usage.input_tokens
+    assert done.id == events[0].response.id and len({e.item_id for e in events[3:-2]}) == 1
+    with served.alone(lambda: served.client.responses.stream(**kw)) as stream:
+        assert stream.get_final_response().output_text == want
+    # cut by max_output_tokens: response.incomplete
+    events = served.alone(lambda: list(served.client.responses.create(
+        model="tiny", input=QUESTION, max_output_tokens=3, stream=True, **GREEDY)))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.usage.output_tokens == 3
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "name": "f", "parameters": {}}]),
+    ("previous_response_id", "resp_1"), ("text", {"format": {"type": "json_object"}}),
+    ("text", {"format": "json"}), ("background", True), ("reasoning", {"effort": "high"}),
+    ("truncation", "auto"), ("tool_choice", "required"), ("n", 2),
+    ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+    ("input", [{"type": "function_call_output", "call_id": "c", "output": "x"}]),
+    ("input", []), ("input", 5), ("input", [{"role": "wizard", "content": "x"}]),
+    ("input", "\ud800"), ("instructions", 3), ("max_output_tokens", 0), ("temperature", -1),
+    ("top_p", 0), ("stream", "yes"),
+])
+def test_responses_bad_fields_get_400_naming_the_field(served, field, value):
+    body = {"model": "tiny", "input": "hi", field: value}
+    status, err = post(served.url + "/v1/responses", json.dumps(body).encode())
+    assert status == 400, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["type"] == "invalid_request_error" and field in err["error"]["param"]
+
+
+# -- ollama's API ----------------------------------------------------------------------------------
+
+def test_ollama_lists_and_shows_the_model(served):
+    models = served.ollama.list().models
+    assert [m.model for m in models] == ["tiny"] and models[0].size > 0
+    assert models[0].details.family == "llama" and models[0].details.format == "safetensors"
+    shown = served.ollama.show("any name")
+    assert shown.details.family == "llama" and shown.capabilities == ["completion"]
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] == 512          # (tiny_config's)
+    assert shown.template == served.llm.template.source
+    assert "num_ctx 256" in shown.parameters                       # (the served cache's)
+    version = json.loads(urllib.request.urlopen(served.url + "/api/version", timeout=10).read())
+    assert version == {"version": tinyrt.__version__}
+
+
+def test_ollama_chat_is_the_chat_reply_whole_and_streamed(served):
+    """/api/chat with the ollama client: the chat endpoint's reply for the same messages and
+    settings, whole and streamed, with ollama's counts."""
+    want = served.alone(lambda: served.client.chat.completions.create(
+        model="tiny", messages=SYSTEM, max_tokens=12, **GREEDY))
+    text = want.choices[0].message.content
+    options = {"temperature": 0, "num_predict": 12, "ignore_eos": True}
+    r = served.alone(lambda: served.ollama.chat(model="tiny", messages=SYSTEM, options=options))
+    assert r.message.role == "assistant" and r.message.content == text and text
+    assert r.model == "tiny" and r.done and r.done_reason == "length"
+    assert r.prompt_eval_count == want.usage.prompt_tokens and r.eval_count == 12
+    assert r.total_duration > 0 and r.load_duration == 0 and r.eval_duration > 0
+    parts = served.alone(lambda: list(served.ollama.chat(model="tiny", messages=SYSTEM,
+                                                         options=options, stream=True)))
+    assert "".join(p.message.content for p in parts) == text
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert parts[-1].done_reason == "length" and parts[-1].eval_count == 12
+    assert parts[-1].prompt_eval_count == want.usage.prompt_tokens
+    # no messages: ollama's request that only loads the model
+    loaded = served.ollama.chat(model="tiny", messages=[])
+    assert loaded.done and loaded.done_reason == "load" and loaded.message.content == ""
+
+
+def test_ollama_generate_templated_raw_and_streamed(served):
+    """/api/generate: the prompt (and system) through the chat template as a conversation, or
+    with raw as it is (the completions endpoint's prompt); ollama streams unless told not to."""
+    chat = served.alone(lambda: served.client.chat.completions.create(
+        model="tiny", messages=SYSTEM, max_tokens=10, **GREEDY)).choices[0].message.content
+    plain = served.alone(lambda: served.client.completions.create(
+        model="tiny", prompt="def f(x):", max_tokens=10, **GREEDY)).choices[0].text
+    assert chat != plain
+    options = {"temperature": 0, "num_predict": 10, "ignore_eos": True}
+    r = served.alone(lambda: served.ollama.generate(model="tiny", prompt=QUESTION,
+                                                    system="Be brief.", options=options))
+    assert r.response == chat and r.done_reason == "length" and r.eval_count == 10
+    raw = served.alone(lambda: served.ollama.generate(model="tiny", prompt="def f(x):", raw=True,
+                                                      options=options))
+    assert raw.response == plain
+    parts = served.alone(lambda: list(served.ollama.generate(
+        model="tiny", prompt="def f(x):", raw=True, options=options, stream=True)))
+    assert "".join(p.response for p in parts) == plain and parts[-1].done
+    # without "stream": NDJSON lines (ollama's default)
+    body = json.dumps({"model": "tiny", "prompt": "def f(x):", "raw": True, "options": options})
+    req = urllib.request.Request(served.url + "/api/generate", data=body.encode())
+    with urllib.request.urlopen(req, timeout=30) as got:
+        assert got.headers["Content-Type"] == "application/x-ndjson"
+        lines = [json.loads(line) for line in got.read().splitlines()]
+    assert len(lines) > 2 and [x["done"] for x in lines[-2:]] == [False, True]
+    assert "".join(x["response"] for x in lines) == plain
+    assert served.ollama.generate(model="tiny", prompt="").done_reason == "load"
+
+
+@pytest.mark.parametrize("name,value,openai_field", [
+    ("temperature", 0, "temperature"), ("top_k", 1, "top_k"), ("top_p", 0.05, "top_p"),
+    ("min_p", 0.9, "min_p"), ("seed", 4, "seed"), ("repeat_penalty", 3.0, "repeat_penalty"),
+    ("presence_penalty", 2.0, "presence_penalty"), ("frequency_penalty", 2.0, "frequency_penalty"),
+    ("num_predict", 3, "max_tokens"),
+])
+def test_ollama_options_act_as_the_openai_fields(served, name, value, openai_field):
+    """Each of ollama's options is the OpenAI (or llama.cpp) field of the same meaning: the
+    sampled reply with it set is /v1/completions's with that field, and not the reply without
+    it (so the option is not ignored)."""
+    base = dict(seed=3, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+    def theirs(**options):
+        return served.ollama.generate(model="tiny", prompt="The", raw=True, options={
+            **base, "num_predict": 8, "ignore_eos": True, **options}).response
+
+    def ours(**fields):
+        return served.client.completions.create(model="tiny", prompt="The", extra_body={
+            **base, "max_tokens": 8, "ignore_eos": True, **fields}).choices[0].text
+
+    plain = theirs()
+    assert plain == ours()
+    assert theirs(**{name: value}) == ours(**{openai_field: value}) != plain
+
+
+def test_ollama_stop_and_runtime_options(served):
+    """stop cuts the reply; options that set up ollama's runtime (num_ctx, num_thread, ...) are
+    taken and change nothing; num_predict's values below 0."""
+    options = {"temperature": 0, "num_predict": 12, "ignore_eos": True}
+    whole = served.ollama.generate(model="tiny", prompt="def f(x):", raw=True,
+                                   options=options).response
+    stop = whole[3:5]
+    cut = served.ollama.generate(model="tiny", prompt="def f(x):", raw=True,
+                                 options={**options, "stop": [stop]})
+    assert cut.response == whole[:whole.index(stop)] and cut.done_reason == "stop"
+    runtime = {**options, "num_ctx": 8192, "num_thread": 4, "num_gpu": 99, "mirostat": 0}
+    assert served.ollama.generate(model="tiny", prompt="def f(x):", raw=True,
+                                  options=runtime).response == whole
+    # num_predict -1 (ollama's "no limit") and -2 ("fill the context"): the cache's end, as
+    # /v1/completions without max_tokens
+    unbounded = served.client.completions.create(model="tiny", prompt="def f(x):", **GREEDY)
+    for n in (-1, -2):
+        r = served.ollama.generate(model="tiny", prompt="def f(x):", raw=True,
+                                   options={**options, "num_predict": n})
+        assert r.eval_count == unbounded.usage.completion_tokens and r.done_reason == "length"
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/api/chat", {"messages": HI, "options": {"temperature": -1}}, "temperature must be"),
+    ("/api/chat", {"messages": HI, "options": {"temprature": 0.5}}, "did you mean 'temperature'"),
+    ("/api/chat", {"messages": HI, "options": {"mirostat": 2}}, "mirostat"),
+    ("/api/chat", {"messages": HI, "options": {"num_predict": 0}}, "num_predict must be"),
+    ("/api/chat", {"messages": HI, "options": [1]}, "options"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "images"),
+    ("/api/chat", {"messages": HI, "tools": [{"type": "function"}]}, "tools"),
+    ("/api/chat", {"messages": "hi"}, "messages"),
+    ("/api/chat", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ("/api/generate", {"prompt": "hi", "format": "json"}, "format"),
+    ("/api/generate", {"prompt": "hi", "think": True}, "think"),
+    ("/api/generate", {"prompt": "hi", "raw": True, "system": "x"}, "system"),
+    ("/api/generate", {"prompt": 5}, "prompt"),
+    ("/api/generate", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/api/generate", {"prompt": "def f(x): " * 200}, "context holds 256"),
+    ("/api/show", "{not json", "not valid JSON"),
+])
+def test_ollama_errors_have_ollama_s_shape(served, path, body, words):
+    data = body.encode() if isinstance(body, str) else json.dumps(
+        {"model": "tiny", "stream": False, **body}).encode()
+    status, err = post(served.url + path, data)
+    assert status == 400 and set(err) == {"error"} and words in err["error"], err
+    with pytest.raises(ollama.ResponseError) as e:        # as the ollama client reports it
+        served.ollama.chat(model="tiny", messages=HI, options={"top_k": -1})
+    assert e.value.status_code == 400 and "top_k must be" in e.value.error
+
+
+def test_ollama_unknown_endpoints_and_methods(served):
+    status, err = post(served.url + "/api/pull", b"{}")
+    assert status == 404 and set(err) == {"error"} and "/api/pull" in err["error"]
+    status, err = post(served.url + "/api/tags", b"{}")
+    assert status == 405 and set(err) == {"error"}
+
+
+# -- the log ---------------------------------------------------------------------------------------
+
+def logged(run, *patterns, since: int) -> list[str]:
+    """The log lines after the first `since`, once one matches each pattern (regular
+    expressions, whole lines; the line is written once the reply has gone)."""
+    deadline = time.monotonic() + HANG
+    while True:
+        lines = run.lines[since:]
+        if all(any(re.fullmatch(p, line) for line in lines) for p in patterns):
+            return lines
+        assert time.monotonic() < deadline, (patterns, lines)
+        time.sleep(0.01)
+
+
+def test_each_request_is_logged_in_one_line(served):
+    """Method, path, status, the prompt's and the reply's tokens where it generated (the
+    usage the client got), and the time, whole and streamed, for every API and every status."""
+    served.idle()
+    since = len(served.lines)
+    r = served.client.chat.completions.create(model="tiny", messages=HI, max_tokens=5,
+                                              **GREEDY)
+    u = r.usage
+    chunks = list(served.client.completions.create(
+        model="tiny", prompt="def f(x):", max_tokens=7, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    s = chunks[-1].usage
+    g = served.ollama.generate(model="tiny", prompt="x", options={"num_predict": 4})
+    served.client.models.list()
+    post(served.url + "/v1/embeddings", b"{}")
+    post(served.url + "/v1/chat/completions", b"{}")
+    post(served.url + "/v1/a%0Ab", b"")                 # (a newline, decoded in the path)
+    lines = logged(served,
+                   rf"POST /v1/chat/completions 200 {u.prompt_tokens}\+5 tokens \d+ ms",
+                   rf"POST /v1/completions 200 {s.prompt_tokens}\+7 tokens \d+ ms",
+                   rf"POST /api/generate 200 {g.prompt_eval_count}\+{g.eval_count} tokens \d+ ms",
+                   r"GET /v1/models 200 \d+ ms", r"POST /v1/embeddings 404 \d+ ms",
+                   r"POST /v1/chat/completions 400 \d+ ms", r"POST /v1/a\\nb 404 \d+ ms",
+                   since=since)
+    assert all("\n" not in line for line in lines)
+    assert len([x for x in lines if not x.startswith("GET /health ")]) == 7
 
 
 # -- one generation at a time ----------------------------------------------------------------------
@@ -447,6 +803,39 @@ def test_waiting_requests_run_in_the_order_they_arrived(served, monkeypatch):
 
 
 # -- the command -----------------------------------------------------------------------------------
+
+def test_tinyrt_serve_logs_each_request_once_and_takes_strict_model(tiny):
+    """`tinyrt serve`: one line on stderr for each request (uvicorn's access log does not say it
+    again); --strict-model refuses another model's name and takes MODEL as given and --alias."""
+    proc = subprocess.Popen([sys.executable, "-m", "tinyrt", "serve", str(tiny), "--port", "0",
+                             "--device", "reference", "--kv-size", "64", "--alias", "tiny",
+                             "--strict-model"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TINYRT_API_KEY": ""})
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "serving" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, line
+            line = proc.stderr.readline()
+        url = re.search(r"(http://\S+)/v1", line).group(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=str(tiny), messages=HI, max_tokens=3,
+                                           **GREEDY)
+        assert r.model == "tiny"
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-4o", messages=HI)
+        assert [m.model for m in ollama.Client(host=url, timeout=60).list().models] == ["tiny"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=HANG) == 130
+        rest, out = proc.stderr.read().splitlines(), proc.stdout.read().splitlines()
+    finally:
+        proc.kill()
+        proc.wait()
+    requests = sorted(x for x in rest if re.match(r"(GET|POST) ", x))
+    want = [r"GET /api/tags 200 \d+ ms", r"POST /v1/chat/completions 200 "
+            rf"{r.usage.prompt_tokens}\+3 tokens \d+ ms", r"POST /v1/chat/completions 404 \d+ ms"]
+    assert len(requests) == 3 and all(map(re.fullmatch, want, requests)), requests
+    assert not any("HTTP/1.1" in x for x in rest + out), rest + out  # (uvicorn's access log)
 
 @pytest.mark.real_model
 def test_tinyrt_serve_with_the_default_model(smol):

@@ -1,10 +1,14 @@
-"""`tinyrt serve`: an OpenAI-compatible HTTP API over one loaded `LLM` (an ASGI app on starlette).
+"""`tinyrt serve`: an OpenAI-compatible HTTP API over one loaded `LLM` (an ASGI app on starlette),
+and ollama's API beside it.
 
-Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or
-whole), GET /v1/models, /v1/models/{id} and /health. Requests and responses have OpenAI's
-shapes; errors are OpenAI's error object with the status its meaning takes (400 a bad body or
-field, 401 a missing or wrong key, 404 an unknown model, 413 a body over the limit, 503 a full
-queue).
+Endpoints: POST /v1/chat/completions, /v1/completions and /v1/responses (streamed as server-sent
+events or whole), GET /v1/models, /v1/models/{id} and /health; ollama's GET /api/tags,
+/api/version and POST /api/show, /api/chat, /api/generate (streamed as NDJSON or whole).
+Requests and responses have OpenAI's shapes (ollama's on /api/); errors are OpenAI's error
+object (ollama's {"error": ...} on /api/) with the status its meaning takes (400 a bad body or
+field, 401 a missing or wrong key, 404 an unknown endpoint, or model with `strict_model`, 413 a
+body over the limit, 503 a full queue). Any model name is taken unless `strict_model`: the one
+model answers, and each reply names it. Each request gets one log line once it is answered.
 
 One engine, one generation at a time (the runtime is single-stream): a request is checked and
 tokenized as it arrives (a prompt the cache cannot hold gets its 400 at once), then waits in a
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import sys
@@ -26,7 +31,8 @@ import time
 import traceback
 import uuid
 from collections import deque
-from typing import AsyncIterator
+from datetime import datetime, timezone
+from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -34,14 +40,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, shown
 
 from .chat import conversation_template, with_template_stops
-from .sampling import ALIASES, OPTIONS, SettingError, check_settings
+from .sampling import (ALIASES, OPTIONS, SamplingParams, SettingError, check_settings,
+                       check_value, unknown_option)
 
 DRAIN = 64 << 20
 MAX_BACKLOG = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
+TOKENS = "tinyrt.tokens"    # a request's ASGI scope: [prompt, reply] tokens, for its log line
 
 
 class APIError(Exception):
@@ -59,9 +67,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self, ollama: bool = False) -> JSONResponse:
+        """The error as OpenAI's error object, or as ollama's {"error": message}."""
         headers = {"Retry-After": "1"} if self.status == 503 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = {"error": self.message} if ollama else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -77,10 +87,12 @@ def _refuse(body: dict, name: str, ok, what: str) -> None:
         raise _invalid(name, f"is not supported by this server ({what})")
 
 
-def sampling_options(body: dict, max_tokens: int) -> dict:
+def sampling_options(body: dict, max_tokens: int, renames: dict[str, str] | None = None) -> dict:
     """`LLM.complete` options from OpenAI's fields (and llama.cpp's extras: top_k, min_p,
     repeat_penalty, ignore_eos; and the other runtimes' names, sampling.ALIASES), checked as
     every front end's (sampling.check_settings; seed -1 is a random seed, as llama.cpp has it).
+    `renames` are an API's own names for options ({"max_output_tokens": "max_tokens"}), checked
+    by the same rules under the name the client sent, and over ours where both are given.
     Absent fields take the model's generation_config.json or the sampler's defaults;
     max_tokens defaults to the cache size."""
     _refuse(body, "n", lambda v: v == 1, "one choice per request")
@@ -99,6 +111,10 @@ def sampling_options(body: dict, max_tokens: int) -> dict:
     fields = {key: body.get(key) for key in (*OPTIONS, *ALIASES)}
     try:
         opts = check_settings(fields)
+        for name, key in (renames or {}).items():
+            value = check_value(key, body.get(name), name)
+            if value is not None:
+                opts[key] = value
     except SettingError as e:
         raise APIError(400, str(e), param=e.name, code="invalid_value") from None
     opts["max_tokens"] = opts["max_tokens"] or max_tokens
@@ -122,30 +138,143 @@ def _flag(body: dict, name: str) -> bool:
     return v
 
 
+def _message(where: str, m, parts: tuple[str, ...]) -> dict:
+    """One message as the chat template takes it: a role of ROLES (developer as system), its
+    content a string or text parts (of the types `parts`, joined)."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise _invalid(where, f"must be an object with a 'role' of {', '.join(ROLES)}")
+    content = m.get("content")
+    if content is None and m["role"] == "assistant":
+        content = ""
+    elif isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") in parts
+                   and isinstance(p.get("text"), str) for p in content):
+            raise _invalid(where, f"content parts must be text parts ({{'type': '{parts[0]}', "
+                                  "'text': ...}); this model reads text only")
+        content = "".join(p["text"] for p in content)
+    elif not isinstance(content, str):
+        raise _invalid(where, "needs a string 'content'")
+    role = "system" if m["role"] == "developer" else m["role"]
+    return {"role": role, "content": _text(where, content)}
+
+
 def chat_messages(body: dict) -> list[dict]:
     """The request's messages as the chat template takes them: string contents (text parts
     joined), a developer message as a system message."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages", "must be a non-empty list of messages")
+    return [_message(f"messages[{i}]", m, ("text",)) for i, m in enumerate(messages)]
+
+
+# -- the Responses API's requests --------------------------------------------------------------
+
+def _text_format(v) -> bool:
+    """Whether a Responses API `text` field asks for plain text."""
+    fmt = v.get("format") if isinstance(v, dict) else None
+    return isinstance(v, dict) and (fmt is None or isinstance(fmt, dict)
+                                    and fmt.get("type") == "text")
+
+
+def responses_options(body: dict, max_tokens: int) -> dict:
+    """`LLM.complete` options from a Responses API request: its own fields refused where they ask
+    for what this server does not do, then the chat endpoint's checks (`sampling_options`), with
+    max_output_tokens for max_tokens."""
+    stored = "nothing is stored here: send the conversation as 'input'"
+    _refuse(body, "previous_response_id", lambda v: False, stored)
+    _refuse(body, "conversation", lambda v: False, stored)
+    _refuse(body, "prompt", lambda v: False, "no stored prompts")
+    _refuse(body, "background", lambda v: v is False, "replies are streamed or whole")
+    _refuse(body, "tool_choice", lambda v: v in ("none", "auto"), "no tool calls")
+    _refuse(body, "text", _text_format, "text replies only")
+    _refuse(body, "reasoning", lambda v: isinstance(v, dict) and v.get("effort") in (None, "none")
+            and not v.get("summary"), "this model does not reason")
+    _refuse(body, "include", lambda v: v == [], "nothing to include")
+    _refuse(body, "truncation", lambda v: v == "disabled",
+            "a prompt longer than the context is refused, not truncated")
+    return sampling_options(body, max_tokens, renames={"max_output_tokens": "max_tokens"})
+
+
+def response_messages(body: dict) -> list[dict]:
+    """A Responses API request's `instructions` (the system message) and `input` (a string: one
+    user message; or a list of messages, their content a string or input_text / output_text
+    parts) as the chat template takes them."""
+    instructions, given = body.get("instructions"), body.get("input")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _invalid("instructions", "must be a string")
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    elif not isinstance(given, list) or not given:
+        raise _invalid("input", "must be a string or a non-empty list of messages")
+    out = [{"role": "system", "content": _text("instructions", instructions)}] \
+        if instructions else []
+    for i, m in enumerate(given):
+        if isinstance(m, dict) and m.get("type", "message") != "message":
+            raise _invalid(f"input[{i}]", f"is an item of type {shown(m['type'])}; this server "
+                                          "takes messages only (no tools, nothing stored)")
+        out.append(_message(f"input[{i}]", m, ("input_text", "output_text")))
+    return out
+
+
+# -- ollama's requests -------------------------------------------------------------------------
+
+# ollama's options that set up its runtime rather than choose tokens: `tinyrt serve`'s flags do
+# that here, so they are taken and have no effect (ollama's front ends send them)
+OLLAMA_RUNTIME = ("numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv",
+                  "logits_all", "vocab_only", "use_mmap", "use_mlock", "num_thread", "num_keep",
+                  "embedding_only", "penalize_newline", "mirostat_tau", "mirostat_eta")
+# ollama's samplers tinyrt has not, taken at the values that ask for nothing more
+OLLAMA_OFF = (("mirostat", lambda v: v == 0, "no mirostat sampling"),
+              ("typical_p", lambda v: v == 1, "no typical sampling"),
+              ("tfs_z", lambda v: v == 1, "no tail-free sampling"),
+              ("repeat_last_n", lambda v: v == SamplingParams.repeat_last_n,
+               f"the penalties look back over {SamplingParams.repeat_last_n} tokens"))
+
+
+def ollama_options(body: dict, max_tokens: int) -> dict:
+    """`LLM.complete` options from an ollama request's `options` (its names: num_predict for
+    max_tokens, -1 or -2 for as many as the cache holds; the others are ours), checked as the
+    chat endpoint's (`sampling_options`)."""
+    for name, ok, what in (("format", lambda v: v == "", "text replies only"),
+                           ("think", lambda v: v is False, "this model does not think aloud"),
+                           ("images", lambda v: v == [], "this model reads text only"),
+                           ("logprobs", lambda v: v is False, "no log probabilities"),
+                           ("top_logprobs", lambda v: v == 0, "no log probabilities"),
+                           ("tools", lambda v: v == [], "no tool calls"),
+                           ("suffix", lambda v: v == "", "no insertion"),
+                           ("template", lambda v: v == "", "the model's own chat template"),
+                           ("context", lambda v: v == [], "send the conversation to /api/chat")):
+        _refuse(body, name, ok, what)
+    options = body.get("options")
+    if options is None:
+        return sampling_options({}, max_tokens)
+    if not isinstance(options, dict):
+        raise _invalid("options", "must be an object")
+    known = ("num_predict", *OPTIONS, *ALIASES, *OLLAMA_RUNTIME, *(n for n, _, _ in OLLAMA_OFF))
+    for name in options:
+        if name not in known:
+            raise APIError(400, unknown_option(name, known), param=name, code="invalid_value")
+    for name, ok, what in OLLAMA_OFF:
+        _refuse(options, name, ok, what)
+    if isinstance(options.get("num_predict"), int) and options["num_predict"] in (-1, -2):
+        options = {**options, "num_predict": None}
+    return sampling_options(options, max_tokens, renames={"num_predict": "max_tokens"})
+
+
+def ollama_messages(body: dict) -> list[dict]:
+    """An /api/chat request's messages as the chat template takes them (an empty list: none, for
+    ollama's request that loads the model)."""
+    messages = body.get("messages")
+    if messages is None:
+        return []
+    if not isinstance(messages, list):
+        raise _invalid("messages", "must be a list of messages")
     out = []
     for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise _invalid(where, f"must be an object with a 'role' of {', '.join(ROLES)}")
-        content = m.get("content")
-        if content is None and m["role"] == "assistant":
-            content = ""
-        elif isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise _invalid(where, "content parts must be text parts ({'type': 'text', "
-                                      "'text': ...}); this model reads text only")
-            content = "".join(p["text"] for p in content)
-        elif not isinstance(content, str):
-            raise _invalid(where, "needs a string 'content'")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _text(where, content)})
+        if isinstance(m, dict):
+            _refuse(m, "images", lambda v: v == [], "this model reads text only")
+            _refuse(m, "tool_calls", lambda v: v == [], "no tool calls")
+        out.append(_message(f"messages[{i}]", m, ("text",)))
     return out
 
 
@@ -270,28 +399,49 @@ class Engine:
 
 # -- the app -----------------------------------------------------------------------------------
 
-class Server:
-    """The app's state: the LLM, its name in the API, the key (None: no key), the most requests
-    that wait and the largest body in bytes; and the engine, which whoever serves the app runs
-    (`Engine.run` or `start`; the app closes it when it stops)."""
+def _stderr(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):       # (stderr closed: the log goes, the request is answered)
+        pass
 
-    def __init__(self, llm, name: str, *, api_key: str | None, max_queue: int, max_body: int):
+
+class Server:
+    """The app's state: the LLM, its name in the API and its other names (`aliases`), the key
+    (None: no key), the most requests that wait and the largest body in bytes; whether a
+    request for another model is refused (`strict_model`; else any name is the served model,
+    as llama-server takes it); where each request's log line goes (None: nowhere); and the
+    engine, which whoever serves the app runs (`Engine.run` or `start`; the app closes it when
+    it stops)."""
+
+    def __init__(self, llm, name: str, *, api_key: str | None, max_queue: int, max_body: int,
+                 aliases=(), strict_model: bool = False,
+                 log: Callable[[str], None] | None = _stderr):
         self.llm, self.name, self.api_key = llm, name, api_key
+        self.names = {name, *aliases}
+        self.strict_model, self.log = strict_model, log
         self.max_body = max_body
         self.created = int(time.time())
         self.template, self.template_stops = conversation_template(llm)
         self.engine = Engine(llm, max_queue)
 
-    def app(self) -> Starlette:
+    def app(self):
         routes = [Route("/health", self.health, methods=["GET"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"])]
-        return Starlette(routes=routes, lifespan=self._lifespan,
-                         exception_handlers={APIError: self._error, 404: self._not_found,
-                                             405: self._not_allowed, Exception: self._bug,
-                                             ClientDisconnect: self._gone})
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/responses", self.responses, methods=["POST"]),
+                  Route("/api/version", self.ollama_version, methods=["GET"]),
+                  Route("/api/tags", self.ollama_tags, methods=["GET"]),
+                  Route("/api/show", self.ollama_show, methods=["POST"]),
+                  Route("/api/chat", self.ollama_chat, methods=["POST"]),
+                  Route("/api/generate", self.ollama_generate, methods=["POST"])]
+        app = Starlette(routes=routes, lifespan=self._lifespan,
+                        exception_handlers={APIError: self._error, 404: self._not_found,
+                                            405: self._not_allowed, Exception: self._bug,
+                                            ClientDisconnect: self._gone})
+        return app if self.log is None else RequestLog(app, self.log)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -314,12 +464,13 @@ class Server:
         return JSONResponse({"object": "list", "data": [self._model_object()]})
 
     async def model(self, request: Request) -> Response:
+        # (asked about one model by name, the server says whether it has it, strict or not)
         self._authorize(request)
-        self._check_model(request.path_params["model"])
+        self._check_model(request.path_params["model"], strict=True)
         return JSONResponse(self._model_object())
 
     async def _error(self, request: Request, exc: APIError) -> Response:
-        return exc.response()
+        return exc.response(_speaks_ollama(request))
 
     async def _gone(self, request: Request, exc: ClientDisconnect) -> Response:
         # a client that went away while it sent its body (a slow or cancelled upload) is no
@@ -328,15 +479,16 @@ class Server:
         return Response(status_code=499)
 
     async def _bug(self, request: Request, exc: Exception) -> Response:
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response(
+            _speaks_ollama(request))
 
     async def _not_found(self, request: Request, exc) -> Response:
         return APIError(404, f"no such endpoint: {request.method} {request.url.path}",
-                        code="not_found").response()
+                        code="not_found").response(_speaks_ollama(request))
 
     async def _not_allowed(self, request: Request, exc) -> Response:
         e = APIError(405, f"{request.method} is not allowed on {request.url.path}")
-        return JSONResponse(e.body(), status_code=405)
+        return e.response(_speaks_ollama(request))
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -348,10 +500,15 @@ class Server:
             raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
                            code="invalid_api_key")
 
-    def _check_model(self, name) -> None:
+    def _check_model(self, name, strict: bool = False, field: str = "model") -> None:
+        """A model name a request gives (in `field`): any string, or with `strict_model` (or
+        `strict`) one of the served model's names, with or without ollama's default tag
+        (':latest')."""
         if name is not None and not isinstance(name, str):
-            raise _invalid("model", "must be a string")
-        if name is not None and name != self.name:
+            raise _invalid(field, "must be a string")
+        if name is None or not (strict or self.strict_model):
+            return
+        if name not in self.names and name.removesuffix(":latest") not in self.names:
             raise APIError(404, f"the model {name!r} does not exist; this server has "
                                 f"{self.name!r}", param="model", code="model_not_found")
 
@@ -402,37 +559,61 @@ class Server:
         body = await self._body(request)
         options = sampling_options(body, self.llm.cache.capacity)
         if chat:
-            messages = chat_messages(body)
-            try:
-                options["stop"] = with_template_stops(options.get("stop"), self.template_stops)
-            except SettingError as e:
-                raise APIError(400, str(e), param="stop", code="invalid_value") from None
-            ids = await run_in_threadpool(self._chat_ids, messages)
+            ids = await self._chat_ids(chat_messages(body), options)
         else:
             ids = await run_in_threadpool(self._prompt_ids, body.get("prompt"))
-        if not self.llm.cache.holds(len(ids)):
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context holds "
-                                f"{self.llm.cache.capacity}", param="messages" if chat else "prompt",
-                           code="context_length_exceeded")
-        job = Job(asyncio.get_running_loop(), ids, options)
-        self.engine.submit(job)
-        items = _items(request, job, self.engine)
-        first = await anext(items, None)             # a refusal is a status, not a stream
-        if first is None:                              # the client went away
+        started = await self._start(request, ids, options, "messages" if chat else "prompt")
+        if started is None:                            # the client went away
             return Response(status_code=499)
+        first, items = started
         reply = Reply(self.name, chat, len(ids))
         if body.get("stream", False):
             usage = (body.get("stream_options") or {}).get("include_usage") is True
             return StreamingResponse(reply.events(first, items, usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last = [first.text], first
-        async for r in items:
-            text.append(r.text)
-            last = r
-        return JSONResponse(reply.whole("".join(text), last))
+        return JSONResponse(reply.whole(*await _whole(first, items)))
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
+    async def responses(self, request: Request) -> Response:
+        """The Responses API (POST /v1/responses): text in, text out, whole or streamed."""
+        self._authorize(request)
+        self.engine.check_room()
+        body = await self._body(request)
+        options = responses_options(body, self.llm.cache.capacity)
+        ids = await self._chat_ids(response_messages(body), options)
+        started = await self._start(request, ids, options, "input")
+        if started is None:
+            return Response(status_code=499)
+        first, items = started
+        reply = ResponsesReply(self.name, body, len(ids))
+        if body.get("stream", False):
+            return StreamingResponse(reply.events(first, items), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(reply.whole(*await _whole(first, items)))
+
+    async def _chat_ids(self, messages: list[dict], options: dict) -> list[int]:
+        """The conversation's token ids; `options` get the stop strings its template needs."""
+        try:
+            options["stop"] = with_template_stops(options.get("stop"), self.template_stops)
+        except SettingError as e:
+            raise APIError(400, str(e), param="stop", code="invalid_value") from None
+        return await run_in_threadpool(self._render, messages)
+
+    async def _start(self, request: Request, ids: list[int], options: dict, param: str):
+        """The generation of `ids` queued, and its first Response awaited (a refusal is a
+        status, not a stream): (first, the rest), or None when the client went away."""
+        if not self.llm.cache.holds(len(ids)):
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context holds "
+                                f"{self.llm.cache.capacity}", param=param,
+                           code="context_length_exceeded")
+        job = Job(asyncio.get_running_loop(), ids, options)
+        self.engine.submit(job)
+        request.scope[TOKENS] = counts = [len(ids), 0]
+        items = _items(request, job, self.engine, counts)
+        first = await anext(items, None)
+        return None if first is None else (first, items)
+
+    def _render(self, messages: list[dict]) -> list[int]:
         try:
             text = self.template.render(messages, add_generation_prompt=True)
             return self.llm.encode(text, what="the conversation")
@@ -456,6 +637,103 @@ class Server:
         except TinyrtError as e:
             raise APIError(400, str(e), param="prompt") from None
 
+    # -- ollama's API ---------------------------------------------------------------------------
+
+    async def ollama_version(self, request: Request) -> Response:
+        from tinyrt import __version__
+
+        return JSONResponse({"version": __version__})
+
+    def _ollama_details(self) -> dict:
+        family = self.llm.config.to_dict().get("model_type") or ""
+        return {"parent_model": "", "format": "gguf" if self.llm.directory.is_file()
+                else "safetensors", "family": family, "families": [family] if family else None,
+                "parameter_size": "", "quantization_level": ""}
+
+    def _ollama_files(self) -> tuple[int, float]:
+        """The model's files' bytes and their latest change (a file's or a directory's)."""
+        path = self.llm.directory
+        files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+        stats = [f.stat() for f in files]
+        return sum(st.st_size for st in stats), max((st.st_mtime for st in stats),
+                                                   default=path.stat().st_mtime)
+
+    async def ollama_tags(self, request: Request) -> Response:
+        self._authorize(request)
+        size, mtime = self._ollama_files()
+        # (an ollama digest is its manifest's hash; here one of what tells this model apart)
+        digest = hashlib.sha256(f"{self.name}\0{size}\0{mtime}".encode()).hexdigest()
+        return JSONResponse({"models": [{"name": self.name, "model": self.name,
+                                         "modified_at": _ollama_time(mtime), "size": size,
+                                         "digest": digest, "details": self._ollama_details()}]})
+
+    async def ollama_show(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._body(request)
+        self._check_model(body.get("name"), field="name")     # (older clients' name for it)
+        details, cfg = self._ollama_details(), self.llm.config.to_dict()
+        family = details["family"] or "model"
+        info = {"general.architecture": family}
+        for key, field in (("context_length", "max_position_embeddings"),
+                           ("embedding_length", "hidden_size"),
+                           ("block_count", "num_hidden_layers"), ("vocab_size", "vocab_size")):
+            if isinstance(cfg.get(field), int):
+                info[f"{family}.{key}"] = cfg[field]
+        stops = "".join(f"stop {json.dumps(s)}\n" for s in self.template_stops)
+        return JSONResponse({"modelfile": f"FROM {self.name}\n", "template": self.template.source,
+                             "parameters": f"num_ctx {self.llm.cache.capacity}\n{stops}",
+                             "details": details, "model_info": info,
+                             "capabilities": ["completion"],
+                             "modified_at": _ollama_time(self._ollama_files()[1])})
+
+    async def ollama_chat(self, request: Request) -> Response:
+        return await self._ollama_generation(request, chat=True)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        return await self._ollama_generation(request, chat=False)
+
+    async def _ollama_generation(self, request: Request, *, chat: bool) -> Response:
+        """/api/chat and /api/generate: NDJSON lines unless "stream": false (ollama's default is
+        to stream); a request with nothing to say (no messages, no prompt) only loads the
+        model, which is loaded already."""
+        start = time.perf_counter()
+        self._authorize(request)
+        self.engine.check_room()
+        body = await self._body(request)
+        options = ollama_options(body, self.llm.cache.capacity)
+        reply = OllamaReply(self.name, chat, start)
+        stream = body.get("stream", True)
+        if chat:
+            messages = ollama_messages(body)
+            if not messages:
+                return reply.loaded(stream)
+            ids = await self._chat_ids(messages, options)
+        else:
+            prompt, system, raw = body.get("prompt"), body.get("system"), _flag(body, "raw")
+            if prompt is not None and not isinstance(prompt, str):
+                raise _invalid("prompt", "must be a string")
+            if system is not None and not isinstance(system, str):
+                raise _invalid("system", "must be a string")
+            if not prompt:
+                return reply.loaded(stream)
+            if raw:
+                if system:
+                    raise _invalid("system", "has no place in a raw prompt")
+                ids = await run_in_threadpool(self._prompt_ids, prompt)
+            else:
+                messages = [{"role": "system", "content": _text("system", system)}] \
+                    if system else []
+                messages.append({"role": "user", "content": _text("prompt", prompt)})
+                ids = await self._chat_ids(messages, options)
+        started = await self._start(request, ids, options, "messages" if chat else "prompt")
+        if started is None:
+            return Response(status_code=499)
+        first, items = started
+        reply.prompt_tokens = len(ids)
+        if stream:
+            return StreamingResponse(reply.lines(first, items), media_type="application/x-ndjson")
+        return JSONResponse(reply.final(*await _whole(first, items)))
+
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
@@ -475,9 +753,10 @@ def _json_int(text: str) -> int:
                            "more than any field takes") from None
 
 
-async def _items(request: Request, job: Job, engine: Engine) -> AsyncIterator:
+async def _items(request: Request, job: Job, engine: Engine, counts: list[int]) -> AsyncIterator:
     """The job's Responses as the worker makes them; ends early (and cancels the job) when the
-    client goes away; an APIError from the worker is raised."""
+    client goes away; an APIError from the worker is raised. `counts[1]` follows the tokens
+    generated (the request's log line)."""
     gone = asyncio.ensure_future(_disconnect(request))
     get = None
     try:
@@ -491,12 +770,28 @@ async def _items(request: Request, job: Job, engine: Engine) -> AsyncIterator:
                 return
             if isinstance(item, APIError):
                 raise item
+            counts[1] = item.timings.generated_tokens
             yield item
     finally:
         engine.cancel(job)
         gone.cancel()
         if get is not None:
             get.cancel()
+
+
+async def _all(first, items: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for r in items:
+        yield r
+
+
+async def _whole(first, items: AsyncIterator) -> tuple[str, object]:
+    """A generation's whole text and its last Response."""
+    text, last = [], first
+    async for r in _all(first, items):
+        text.append(r.text)
+        last = r
+    return "".join(text), last
 
 
 async def _disconnect(request: Request) -> None:
@@ -572,3 +867,183 @@ class Reply:
 
 def _event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _speaks_ollama(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+# -- the log -----------------------------------------------------------------------------------
+
+class RequestLog:
+    """ASGI middleware: one line for each HTTP request once it is answered (a stream once it
+    ends): method, path, status, the prompt's and the reply's tokens where it generated, and
+    its time, as `POST /v1/chat/completions 200 12+34 tokens 812 ms`. (`tinyrt serve` turns
+    uvicorn's own access log off: this is the one line.)"""
+
+    def __init__(self, app, write: Callable[[str], None]):
+        self.app, self.write = app, write
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), []
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            tokens = scope.get(TOKENS)
+            used = f" {tokens[0]}+{tokens[1]} tokens" if tokens else ""
+            # (a path is percent-decoded: escaped, a newline in one cannot start a line)
+            path = scope["path"].encode("unicode_escape").decode("ascii")
+            ms = (time.perf_counter() - start) * 1000
+            self.write(f"{scope['method']} {path} {status[0] if status else 500}{used} {ms:.0f} ms")
+
+
+# -- the Responses API's replies ---------------------------------------------------------------
+
+class ResponsesReply:
+    """A Responses API response: whole, or as the stream of typed events the API sends
+    (response.created, the message's output item and text part opened, its text deltas, both
+    closed, response.completed)."""
+
+    def __init__(self, model: str, body: dict, prompt_tokens: int):
+        self.model, self.prompt_tokens = model, prompt_tokens
+        self.id, self.item_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.asked = {k: body.get(k) for k in ("instructions", "max_output_tokens",
+                                               "temperature", "top_p")}
+        self.metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+        self.sequence = 0
+
+    def usage(self, last) -> dict:
+        t = last.timings
+        return {"input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": t.cached_tokens},
+                "output_tokens": t.generated_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + t.generated_tokens}
+
+    @staticmethod
+    def _part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _item(self, status: str, text: str | None = None) -> dict:
+        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
+                "content": [] if text is None else [self._part(text)]}
+
+    def _response(self, status: str, output: list, last=None, error: dict | None = None) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created,
+                "status": status, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"}
+                if status == "incomplete" else None,
+                **self.asked, "model": self.model, "output": output,
+                "parallel_tool_calls": False, "previous_response_id": None,
+                "reasoning": {"effort": None, "summary": None}, "store": False,
+                "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
+                "truncation": "disabled", "usage": None if last is None else self.usage(last),
+                "user": None, "metadata": self.metadata}
+
+    @staticmethod
+    def _status(last) -> str:
+        return "incomplete" if last.finish_reason == "length" else "completed"
+
+    def whole(self, text: str, last) -> dict:
+        status = self._status(last)
+        return self._response(status, [self._item(status, text)], last)
+
+    def _event(self, kind: str, **fields) -> bytes:
+        self.sequence += 1
+        obj = {"type": kind, "sequence_number": self.sequence - 1, **fields}
+        return f"event: {kind}\n".encode() + _event(obj)
+
+    async def events(self, first, items: AsyncIterator) -> AsyncIterator[bytes]:
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        yield self._event("response.created", response=self._response("in_progress", []))
+        yield self._event("response.in_progress", response=self._response("in_progress", []))
+        yield self._event("response.output_item.added", output_index=0,
+                          item=self._item("in_progress"))
+        yield self._event("response.content_part.added", **where, part=self._part(""))
+        text, last = [], first
+        try:
+            async for r in _all(first, items):
+                last = r
+                if r.text:
+                    text.append(r.text)
+                    yield self._event("response.output_text.delta", **where, delta=r.text,
+                                      logprobs=[])
+        except APIError as e:                  # after the headers: the error as events
+            yield self._event("error", code=e.code, message=e.message, param=e.param)
+            error = {"code": e.code or "server_error", "message": e.message}
+            yield self._event("response.failed", response=self._response("failed", [], None,
+                                                                         error))
+            return
+        whole, status = "".join(text), self._status(last)
+        yield self._event("response.output_text.done", **where, text=whole, logprobs=[])
+        yield self._event("response.content_part.done", **where, part=self._part(whole))
+        yield self._event("response.output_item.done", output_index=0,
+                          item=self._item(status, whole))
+        yield self._event(f"response.{status}",
+                          response=self._response(status, [self._item(status, whole)], last))
+
+
+# -- ollama's replies --------------------------------------------------------------------------
+
+def _ollama_time(seconds: float | None = None) -> str:
+    """A time as ollama writes one (RFC 3339, UTC): now, or `seconds` since the epoch."""
+    t = datetime.now(timezone.utc) if seconds is None else \
+        datetime.fromtimestamp(seconds, timezone.utc)
+    return t.isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+class OllamaReply:
+    """An ollama /api/chat or /api/generate reply: whole, or as NDJSON lines, the last with
+    done, done_reason and the counts and durations (nanoseconds)."""
+
+    def __init__(self, model: str, chat: bool, start: float):
+        self.model, self.chat, self.start = model, chat, start
+        self.prompt_tokens = 0
+
+    def _line(self, text: str, done: bool) -> dict:
+        said = {"message": {"role": "assistant", "content": text}} if self.chat else \
+            {"response": text}
+        return {"model": self.model, "created_at": _ollama_time(), **said, "done": done}
+
+    def final(self, text: str, last) -> dict:
+        t = last.timings
+        return {**self._line(text, True), "done_reason": last.finish_reason or "stop",
+                "total_duration": _ns(time.perf_counter() - self.start), "load_duration": 0,
+                "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": _ns(t.prefill_s),
+                "eval_count": t.generated_tokens,
+                "eval_duration": _ns(max(t.ttft_s - t.prefill_s, 0.0) + t.decode_s)}
+
+    def loaded(self, stream: bool) -> Response:
+        line = {**self._line("", True), "done_reason": "load"}
+        if stream:
+            return Response(_ndjson(line), media_type="application/x-ndjson")
+        return JSONResponse(line)
+
+    async def lines(self, first, items: AsyncIterator) -> AsyncIterator[bytes]:
+        last = first
+        try:
+            async for r in _all(first, items):
+                last = r
+                if r.text:
+                    yield _ndjson(self._line(r.text, False))
+        except APIError as e:                  # after the headers: the error as a line
+            yield _ndjson({"error": e.message})
+            return
+        yield _ndjson(self.final("", last))
+
+
+def _ndjson(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"

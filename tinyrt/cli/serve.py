@@ -21,8 +21,10 @@ MAX_BODY = 4 << 20        # bytes of a request body (a whole context of text is 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model over OpenAI's HTTP API (/v1/chat/completions, "
-                                   "/v1/completions, /v1/models, /health), one generation at a "
-                                   "time, the others waiting in a queue. Needs "
+                                   "/v1/completions, /v1/responses, /v1/models, /health) and "
+                                   "ollama's (/api/chat, /api/generate, /api/tags, /api/show), "
+                                   "one generation at a time, the others waiting in a queue; a "
+                                   "line on stderr for each request. Needs "
                                    'pip install "tinyrt[server]".')
     add_model_option(p, positional=True)
     p.add_argument("--host", default="127.0.0.1",
@@ -30,10 +32,14 @@ def add_parser(sub) -> None:
                         "every network the machine is on)")
     p.add_argument("--port", type=whole, default=8080, help="default 8080; 0 picks a free port")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: "
-                        "$TINYRT_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every /v1 and /api request "
+                        "(default: $TINYRT_API_KEY, else none)")
     p.add_argument("--alias", default=None, metavar="NAME",
                    help="the model's name in the API (default: MODEL as given)")
+    p.add_argument("--strict-model", action="store_true",
+                   help="answer a request for another model with 404 (default: any model name "
+                        "is the served model; its names are the --alias, MODEL as given and a "
+                        "known model's names)")
     p.add_argument("--max-queue", type=whole, default=MAX_QUEUE,
                    help=f"requests that may wait for the engine; more get 503 (default {MAX_QUEUE})")
     p.add_argument("--max-body", type=whole, default=MAX_BODY, metavar="BYTES",
@@ -49,6 +55,20 @@ def _no_upgrade_notes(record) -> bool:
     (any client may send them, as many as it likes: a flood of the log)."""
     return not str(record.msg).startswith(("Unsupported upgrade request",
                                           "No supported WebSocket library"))
+
+
+def model_names(model) -> list[str]:
+    """The names the served MODEL answers to beside --alias: MODEL as given and, for a known
+    model, its name and its aliases ("smollm2" for the default model)."""
+    from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS
+    from tinyrt.registry import ALIASES
+
+    given = str(model or DEFAULT_MODEL)
+    known = ALIASES.get(given, given)
+    names = [given]
+    if known in KNOWN_MODELS:
+        names += [known, *(alias for alias, name in ALIASES.items() if name == known)]
+    return list(dict.fromkeys(names))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -67,13 +87,14 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         raise TinyrtError('the server needs its extra packages: pip install "tinyrt[server]"') \
             from None
-    from tinyrt.model_cache import DEFAULT_MODEL
-
     api_key = args.api_key or os.environ.get("TINYRT_API_KEY") or None
     llm = load_llm(args, load)
-    name = args.alias or str(load["model"] or DEFAULT_MODEL)
-    server = Server(llm, name, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
-    # no WebSocket (the API has none): an upgrade request is answered as any other request
+    names = model_names(load["model"])
+    name = args.alias or names[0]
+    server = Server(llm, name, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body,
+                    aliases=names, strict_model=args.strict_model)
+    # no WebSocket (the API has none): an upgrade request is answered as any other request. No
+    # access log: the app logs each request in one line of its own (server.RequestLog)
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=3, ws="none")
     logging.getLogger("uvicorn.error").addFilter(_no_upgrade_notes)
@@ -84,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
         await started(sockets)
         if web.started:
             host, port = web.servers[0].sockets[0].getsockname()[:2]
-            print(f"tinyrt: serving {name!r} at http://{_url_host(host)}:{port}/v1 (OpenAI API)"
+            url = f"http://{_url_host(host)}:{port}"
+            print(f"tinyrt: serving {name!r} at {url}/v1 (OpenAI API; ollama's API at {url})"
                   f"{' · key required' if api_key else ''} · Ctrl-C stops", file=sys.stderr,
                   flush=True)
 
