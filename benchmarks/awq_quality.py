@@ -57,7 +57,9 @@ def main() -> None:
         for method in ("rtn", "awq"):
             name = f"{method}-g{g}"
             try:
-                info = convert(args.src, out / name, "--method", method, "--group-size", str(g))
+                # (the default model's GGUF is 4-bit: its "float" model is dequantized)
+                info = convert(args.src, out / name, "--method", method, "--group-size", str(g),
+                               "--requantize")
             except subprocess.CalledProcessError as e:
                 print(f"{name}: {e.stderr.strip().splitlines()[-1]}", flush=True)
                 break

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shlex
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -15,7 +16,7 @@ from tinyrt.kernels import awq_layout
 from tinyrt.models import ModelConfig, expected_shapes, linear_shapes
 from tinyrt.models.llama import NORMS
 from tinyrt.models.weights import all_finite, held_layers, write_safetensors
-from tinyrt.paths import user_path
+from tinyrt.paths import shown_path, user_path
 from tinyrt.sample_text import default_text
 
 from . import calibration
@@ -195,7 +196,7 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
             calib_seqlen: int = calibration.DEFAULT_SEQLEN, clip: bool = True,
             duo_scaling: bool = True, seed: int = 0, force: bool = False,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None,
-            notice: Callable[[str], None] | None = None) -> Path:
+            notice: Callable[[str], None] | None = None, requantize: bool = False) -> Path:
     """Convert `src` into the model directory `out`.
 
     method "none" keeps float weights of `dtype`; "rtn" and "awq" quantize every decoder linear to
@@ -204,8 +205,9 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
     calibration.default_samples chooses for this machine); the other tensors are stored as
     `dtype`. The tensors go in files of at most `max_shard_bytes` each (see _write_shards),
     written to a temporary directory that is renamed into place when complete.
-    `notice(text)` hears of anything the user should know before it starts (a source whose
-    weights are quantized already, the calibration size chosen)."""
+    `notice(text)` hears of anything the user should know before it starts (the calibration
+    size chosen). A source whose weights are quantized already (a 4-bit GGUF) is refused with
+    "rtn" and "awq", which would round them again, unless `requantize`."""
     if method not in METHODS:
         raise TinyrtError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     if dtype not in FLOAT_DTYPES:
@@ -226,11 +228,13 @@ def convert(src: str | Path, out: str | Path, *, method: str = "awq", dtype: str
     src, out = user_path(src, "SRC"), user_path(out, "OUT")
     check_output(out, force, src)       # at once, before the source is read
     source = open_source(src)
-    if source.quantized and method != "none" and notice:
-        notice(f"{source.path.name} holds quantized weights ({', '.join(source.quantized)}): "
-               f"--method {method} dequantizes them and rounds them a second time, which "
-               "usually costs quality (the default model's Q4_1 file loses several points of "
-               f"perplexity); tinyrt runs the GGUF as it is: tinyrt chat {source.path}")
+    if source.quantized and method != "none" and not requantize:
+        # refused before any work (the default model's AWQ took minutes, to a worse model)
+        raise TinyrtError(f"{shown_path(source.path.name)} holds quantized weights "
+                          f"({', '.join(source.quantized)}): --method {method} would round them "
+                          f"a second time, at a cost in quality; tinyrt runs the file as it is: "
+                          f"tinyrt chat -m {shlex.quote(shown_path(source.path))} (--requantize "
+                          "converts it anyway)")
     cfg = ModelConfig.from_dict(source.config)
     model = cfg.family.model
     if method == "awq" and (len(model.linears["qkv"]) != 3 or model.norms != NORMS):

@@ -176,10 +176,10 @@ def hf_gguf_tokenizer(default_gguf):
 
 @pytest.fixture(scope="session")
 def smol_awq(default_gguf, tmp_path_factory) -> Path:
-    """The default model converted as `tinyrt convert` does by default on 2 cores (AWQ on the
-    default calibration text, 4 x 512 tokens: pinned, so that its golden answer does not depend
-    on the machine's cores)."""
+    """The default model converted as `tinyrt convert --requantize` does by default on 2 cores
+    (AWQ on the default calibration text, 4 x 512 tokens: pinned, so that its golden answer does
+    not depend on the machine's cores; its GGUF is 4-bit, hence requantize)."""
     from tinyrt.converters import convert
 
     return convert(default_gguf, tmp_path_factory.mktemp("smol") / "awq", method="awq",
-                   calib_samples=4)
+                   calib_samples=4, requantize=True)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def smol_rtn(default_gguf, tmp_path_factory):
-    return convert(default_gguf, tmp_path_factory.mktemp("smol") / "rtn", method="rtn")
+    return convert(default_gguf, tmp_path_factory.mktemp("smol") / "rtn", method="rtn",
+                   requantize=True)
 
 
 def test_awq_keeps_well_under_rtn_loss(smol_f32, smol_awq, smol_rtn, long_text):

@@ -58,6 +58,9 @@ def test_bench_counts_the_cuda_backend_s_tensors(tmp_path):
     (["--prompt-tokens", "1e12"], "--prompt-tokens"), (["--runs", "0"], "--runs"),
     (["--runs", "two"], "--runs"), (["--decode-tokens", "2.5"], "--decode-tokens"),
     (["--prompt-tokens", str(bench.MAX_TOKENS + 1)], "--prompt-tokens"),
+    # llama-bench's names
+    (["-p", "0"], "--prompt-tokens"), (["--n-gen", "x"], "--decode-tokens"),
+    (["-r", "0"], "--runs"),
 ])
 def test_bad_sizes_are_refused_before_loading(tmp_path, args, flag):
     """(The model does not exist: the option is refused first, before a cache of the sizes'
@@ -110,3 +113,62 @@ def test_sizes_past_the_models_context_are_refused(tmp_path):
     context = tinyrt.LLM(d, kv_size=32).config.max_position_embeddings
     assert_refused(run_tinyrt("bench", str(d), "--prompt-tokens", str(context),
                               "--decode-tokens", "1", "--runs", "1"), "context")
+
+
+def test_bench_run_says_each_phase_and_run_as_it_starts(tmp_path):
+    """progress(what, done, total): the warm-up, then each run before and after it; never for a
+    run that is refused."""
+    llm = tinyrt.LLM(write_tiny_model(tmp_path / "m", tiny_config()), kv_size=32)
+    calls = []
+    bench.run(llm, prompt_tokens=8, decode_tokens=2, runs=3,
+              progress=lambda *a: calls.append(a))
+    runs = "3 runs, prompt 8 + decode 2 tokens"
+    assert calls == [("warm-up", 0, None)] + [(runs, k, 3) for k in range(4)]
+    calls.clear()
+    with pytest.raises(ValueError):
+        bench.run(llm, prompt_tokens=30, decode_tokens=4, runs=1,
+                  progress=lambda *a: calls.append(a))
+    assert calls == []
+
+
+def test_the_command_shows_progress_on_stderr_and_keeps_stdout_clean(tmp_path):
+    """Piped: a plain line per phase on stderr, stdout the JSON alone. In a terminal (stderr a
+    pty, stdout still piped): the phase and run k of n drawn on the terminal, stdout alike."""
+    import json
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+
+    d = write_tiny_model(tmp_path / "m", tiny_config())
+    args = ("bench", str(d), "-p", "8", "-n", "2", "-r", "3", "--json")
+    p = run_tinyrt(*args)
+    assert p.returncode == 0 and set(json.loads(p.stdout)) >= {"decode_tok_s"}, p.stderr
+    assert p.stderr.splitlines() == ["bench: warm-up", "bench: 3 runs, prompt 8 + decode 2 tokens"]
+
+    main, tty = pty.openpty()
+    with open(tmp_path / "stdout", "wb") as stdout:   # (a file: the child never waits on it)
+        child = subprocess.Popen([sys.executable, "-m", "tinyrt", *args], stdout=stdout,
+                                 stderr=tty, stdin=subprocess.DEVNULL)
+    os.close(tty)
+    drawn, hung = b"", False
+    try:
+        while True:
+            if not select.select([main], [], [], 300)[0]:
+                hung = True                  # (nothing for 300 s)
+                break
+            chunk = os.read(main, 1 << 16)
+            if not chunk:
+                break
+            drawn += chunk
+    except OSError:                          # the child closed the terminal: it is ending
+        pass
+    finally:
+        os.close(main)
+        if hung:
+            child.kill()
+    out = (tmp_path / "stdout").read_bytes()
+    assert not hung and child.wait(timeout=60) == 0, drawn
+    assert set(json.loads(out)) >= {"decode_tok_s"}, out
+    assert b"bench: 3 runs, prompt 8 + decode 2 tokens: 3 of 3" in drawn, drawn

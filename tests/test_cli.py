@@ -180,6 +180,8 @@ def test_bad_generation_options_are_refused_before_loading(tmp_path, args, words
     (["bench", "--threads", "0"], ["--threads"]), (["bench", "--draft-tokens", "99"], ["--draft-tokens"]),
     (["ppl", "--text", "t.txt", "--kv-size", "0"], ["--kv-size"]),
     (["ppl", "--text", "t.txt", "--ctx", "1"], ["--ctx"]),
+    (["ppl", "--text", "t.txt", "-c", "1"], ["--ctx"]),         # llama-perplexity's -c: the window
+    (["run", "--threads", "0"], ["--threads"]), (["run", "hi", "-c", "0"], ["--kv-size"]),
     (["ppl", "--text", "t.txt", "--threads", "100000"], ["--threads"]),
     (["serve", "--port", "70000"], ["--port"]), (["serve", "--max-queue", "-1"], ["--max-queue"]),
     (["serve", "--max-body", "0"], ["--max-body"]), (["serve", "--sinks", "-2"], ["--sinks"]),
@@ -200,6 +202,14 @@ def test_every_command_checks_its_options_before_loading(tmp_path, args, words):
      "unknown option --kv-sise (did you mean --kv-size?)"),
     (["--temperature", "0", "generate", "Hi"],
      "unknown option --temperature (options go after the command: tinyrt COMMAND --temperature ...)"),
+    # llama.cpp's spellings, misspelled
+    (["generate", "Hi", "--ctx-sise", "64"],
+     "unknown option --ctx-sise (did you mean --ctx-size?)"),
+    (["generate", "Hi", "--context-size", "64"],
+     "unknown option --context-size (did you mean --ctx-size?)"),
+    (["generate", "Hi", "--n_predict", "4"],
+     "unknown option --n_predict (did you mean --n-predict?)"),
+    (["chat", "--ngl", "99"], "unknown option --ngl (did you mean -ngl?)"),
 ])
 def test_a_misspelled_option_or_command_is_named_with_the_closest(args, line):
     """Before anything else is made of the arguments (0.5 is not taken as the prompt, the
@@ -278,3 +288,89 @@ def test_edge_values_that_mean_something_run(tiny_dir, tmp_path):
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "top_k" in lines[0] and "using the default" in lines[0], lines
+
+
+# -- a newcomer's habits: ollama's `run`, llama.cpp's spellings, a bare `tinyrt` -------------------
+
+GREEDY = ("-n", "4", "--ignore-eos", "--temperature", "0")
+
+
+def test_run_answers_a_prompt_as_generate_and_chats_without_one(tiny_dir):
+    """`run MODEL PROMPT` (or -m, -p) is generate's reply; `run MODEL` is the chat (here piped:
+    one turn per line, the same replies and notes as `chat`'s); options of either are taken."""
+    once = run_tinyrt("generate", str(tiny_dir), "hi", *GREEDY, "--json")
+    assert once.returncode == 0, once.stderr
+    for args in ((str(tiny_dir), "hi"), ("-m", str(tiny_dir), "hi"), (str(tiny_dir), "-p", "hi"),
+                 ("-p", "hi", "-m", str(tiny_dir))):
+        p = run_tinyrt("run", *args, *GREEDY, "--json")
+        assert p.returncode == 0 and json.loads(p.stdout) == {
+            **json.loads(once.stdout), "timings": json.loads(p.stdout)["timings"]}, p.stderr
+    chat = run_tinyrt("chat", str(tiny_dir), *GREEDY, "--plain", input="hello\nagain\n")
+    assert chat.returncode == 0 and chat.stdout.count("\n") == 2, chat.stderr
+    for args in ((str(tiny_dir),), ("-m", str(tiny_dir))):
+        p = run_tinyrt("run", *args, *GREEDY, "--plain", input="hello\nagain\n")
+        assert p.returncode == 0 and p.stdout == chat.stdout, p.stderr
+        assert p.stderr.count("cache ") == chat.stderr.count("cache ") == 2, p.stderr
+    assert_refused(run_tinyrt("run", str(tiny_dir), "--json", input=""), "--json", "PROMPT")
+    assert_refused(run_tinyrt("run", str(tiny_dir), "a", "-p", "b"), "two prompts")
+    assert_refused(run_tinyrt("generate", "-m", str(tiny_dir), "-n", "2"), "no PROMPT")
+
+
+def test_llama_cpp_spellings_mean_what_they_mean_there(tiny_dir):
+    """-p PROMPT; -n/--n-predict N tokens; -c/--ctx-size (and its prefix --ctx) the KV cache's
+    size; -ngl taken, with a note of one line on what tinyrt does instead."""
+    base = run_tinyrt("generate", str(tiny_dir), "hi", *GREEDY, "--json")
+    for args in (("-p", "hi", "-n", "4"), ("hi", "--n-predict", "4"), ("hi", "-n", "4")):
+        p = run_tinyrt("generate", str(tiny_dir), *args, "--ignore-eos", "--temperature", "0",
+                       "--json")
+        assert p.returncode == 0 and json.loads(p.stdout)["text"] == json.loads(base.stdout)["text"]
+        assert json.loads(p.stdout)["tokens"] == 4, p.stderr
+    for flag in ("-c", "--ctx-size", "--ctx", "--kv-size"):
+        assert_refused(run_tinyrt("generate", str(tiny_dir), "hi " * 50, flag, "16"), "prompt has")
+    p = run_tinyrt("generate", str(tiny_dir), "hi", *GREEDY, "--json", "-ngl", "99")
+    assert p.returncode == 0 and json.loads(p.stdout)["tokens"] == 4, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("note: -ngl") and "--device" in lines[0], lines
+
+
+def test_a_bare_tinyrt_prints_its_commands():
+    """No command: the usage and each command with its line of help, on stderr with argparse's
+    exit code 2 (nothing was run), not an error."""
+    from tinyrt.cli import COMMANDS
+
+    p = run_tinyrt()
+    assert p.returncode == 2 and p.stdout == "" and "error" not in p.stderr, p.stderr
+    assert p.stderr.startswith("usage: tinyrt")
+    listed = {line.split()[0] for line in p.stderr.split("commands:")[1].splitlines()[1:]
+              if line.startswith("  ")}
+    assert listed == set(COMMANDS), listed
+
+
+def test_info_piped_shows_every_value_whole(tmp_path):
+    """Where stdout is no terminal (80 columns to a layout), a long path is printed whole."""
+    d = write_tiny_model(tmp_path / ("a-directory-with-a-name-long-enough-to-pass-eighty-"
+                                     "columns-on-its-own") / "model", tiny_config())
+    p = run_tinyrt("info", str(d), env={"COLUMNS": "80"})
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in p.stdout.splitlines()
+            if line.strip()}
+    assert rows["directory"] == str(d) and "--kv-type f16|f32|q8|q4|q2)" in rows["KV"]
+
+
+def test_converting_a_quantized_gguf_stops_at_once(tmp_path):
+    """rtn or awq of a GGUF whose layers are 4-bit: one line with the reason and the command that
+    runs the file, nothing written; --requantize converts it."""
+    from gguf_helpers import write_gguf
+    from helpers import byte_level_tokenizer, random_weights
+
+    cfg = tiny_config()
+    src = tmp_path / "m.Q4_0.gguf"
+    write_gguf(src, cfg, random_weights(cfg), byte_level_tokenizer(cfg["vocab_size"]).to_str(),
+               qtype="Q4_0")
+    for method in ((), ("--method", "rtn")):
+        p = run_tinyrt("convert", str(src), str(tmp_path / "out"), *method)
+        assert_refused(p, "Q4_0", f"tinyrt chat -m {src}", "--requantize")
+        assert [x.name for x in tmp_path.iterdir()] == [src.name]
+    p = run_tinyrt("convert", str(src), str(tmp_path / "out"), "--method", "rtn",
+                   "--group-size", "32", "--requantize")
+    assert p.returncode == 0 and (tmp_path / "out" / "config.json").is_file(), p.stderr

@@ -188,20 +188,31 @@ def test_a_full_disk_gives_a_clean_error_and_leaves_nothing(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "F32"])
-def test_quantizing_a_quantized_file_says_so_first(tmp_path, qtype):
-    """From a GGUF whose layers are quantized already, rtn/awq says, before it starts, that it
-    rounds them again and how to run the file instead; a float source hears nothing."""
+def test_quantizing_a_quantized_file_is_refused_first(tmp_path, monkeypatch, qtype):
+    """From a GGUF whose layers are quantized already, rtn/awq stops before reading a tensor,
+    writing nothing, saying why and how to run the file instead; `requantize` converts it. A
+    float source converts without it."""
+    from tinyrt.converters import conversion
+
     cfg = tiny_config()
     src = tmp_path / f"m.{qtype}.gguf"
     write_gguf(src, cfg, random_weights(cfg), byte_level_tokenizer(cfg["vocab_size"]).to_str(),
                qtype=qtype)
-    notices = []
-    out = convert(src, tmp_path / "q", method="rtn", group_size=32, notice=notices.append)
+    if qtype != "F32":
+        def no_work(*a, **k):
+            raise AssertionError("the conversion began")
+
+        with monkeypatch.context() as m:
+            m.setattr(conversion, "check_tensors", no_work)      # (the first look at tensors)
+            for method in ("rtn", "awq"):
+                with pytest.raises(TinyrtError) as e:
+                    convert(src, tmp_path / "q", method=method, group_size=32)
+                assert "Q4_0" in str(e.value) and f"tinyrt chat -m {src}" in str(e.value)
+                assert "--requantize" in str(e.value) and "\n" not in str(e.value)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
+    out = convert(src, tmp_path / "q", method="rtn", group_size=32,
+                  requantize=qtype != "F32")
     assert (out / "config.json").exists()
-    if qtype == "F32":
-        assert notices == []
-    else:
-        assert len(notices) == 1 and "Q4_0" in notices[0] and f"tinyrt chat {src}" in notices[0]
 
 
 # -- what --force may replace ------------------------------------------------------------------------

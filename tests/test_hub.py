@@ -246,8 +246,9 @@ def test_every_command_takes_an_hf_id(hub, tmp_path):
     env = {k: os.environ[k] for k in ("HF_HOME", "HF_HUB_OFFLINE", "XDG_CACHE_HOME")}
     p = run_tinyrt("info", "org/tiny", env=env)
     assert p.returncode == 0 and "num_key_value_heads" in p.stdout, p.stderr
-    p = run_tinyrt("info", "org/elsewhere", env=env)      # not cached: said, not downloaded
-    assert p.returncode == 0 and "tinyrt pull org/elsewhere" in p.stdout, p.stderr
+    # not here: refused in one line that says how to fetch it, nothing downloaded
+    assert_refused(run_tinyrt("info", "org/elsewhere", env=env), "tinyrt pull org/elsewhere")
+    assert_refused(run_tinyrt("info", env=env), "not fetched", "tinyrt pull")  # the default
     p = run_tinyrt("convert", "org/tiny", str(tmp_path / "out"), "--method", "none", env=env)
     assert p.returncode == 0 and (tmp_path / "out" / "config.json").is_file(), p.stderr
     assert_refused(run_tinyrt("convert", "smolm2", str(tmp_path / "o2"), env=env), "SRC",

@@ -53,15 +53,20 @@ def prompt_ids(llm, n: int) -> np.ndarray:
     return np.asarray(ids[:n], dtype=np.int64)
 
 
-def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int):
+def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int, progress=None):
     """Seconds to the first token of prompt `ids` from an empty cache, and seconds per greedy
     decoded token after it, for each of `runs` runs (after a warm-up call), through the
     generation loop as a reply runs (on a GPU: its decode steps on the device; with a draft:
-    speculative decoding). Also the drafts' figures of the median run (None without a draft)."""
+    speculative decoding). Also the drafts' figures of the median run (None without a draft).
+    `progress(what, done, total)` hears of each phase and run as it starts (see `run`)."""
+    say = progress or (lambda what, done, total: None)
+    say("warm-up", 0, None)
     llm.reset()
     llm.model.forward(ids[:8], llm.cache)                  # warm-up: the kernels' first calls
     results = []
-    for _ in range(runs):
+    what = f"{runs} run{'s' * (runs != 1)}, prompt {len(ids)} + decode {decode_tokens} tokens"
+    for k in range(runs):
+        say(what, k, runs)
         llm.reset()
         # greedy and no penalty (whatever the model's generation_config.json asks): the plain
         # decode step, the same tokens every run
@@ -72,13 +77,18 @@ def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int):
         t = g.timings
         spec = t.speculative and t.speculative.as_dict()
         results.append((t.decode_s / max(t.decode_steps, 1), t.ttft_s, spec))
+    say(what, runs, runs)
     results.sort(key=lambda r: r[0])
     return [r[1] for r in results], [r[0] for r in results], results[len(results) // 2][2]
 
 
-def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) -> dict:
+def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5,
+        progress=None) -> dict:
     """Measure `llm` (a tinyrt.LLM); returns a dict of figures (medians over `runs`). With a
-    draft, decode is greedy speculative decoding and "speculative" holds the drafts' figures."""
+    draft, decode is greedy speculative decoding and "speculative" holds the drafts' figures.
+    `progress(what, done, total)`, where given, is called as each phase starts ("warm-up", total
+    None) and before and after each run (the runs' phase, done runs of total), after every
+    check: a run that is refused calls it never."""
     check_args(prompt_tokens, decode_tokens, runs)
     context = llm.config.max_position_embeddings
     if prompt_tokens + decode_tokens > context:       # (as ppl's --ctx: positions it never had)
@@ -89,7 +99,7 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5) 
     if prompt_tokens + decode_tokens > cache.capacity:
         raise ValueError(f"prompt + decode = {prompt_tokens + decode_tokens} tokens exceed the "
                          f"KV cache of {cache.capacity}")
-    ttft, decode, spec = timed_runs(llm, ids, decode_tokens, runs)
+    ttft, decode, spec = timed_runs(llm, ids, decode_tokens, runs, progress)
     step = max(statistics.median(decode), 1e-9)     # (a clock too coarse to see a step)
     per_token = weight_bytes(model)
     kv_per_token = cache.bytes_per_token * (prompt_tokens + decode_tokens / 2)

@@ -7,10 +7,10 @@ import sys
 
 from tinyrt.errors import TinyrtError
 
-from . import bench, chat, convert, generate, info, listing, ppl, pull, rm, serve
+from . import bench, chat, convert, generate, info, listing, ppl, pull, rm, run, serve
 
-COMMANDS = {"pull": pull, "convert": convert, "generate": generate, "chat": chat, "ppl": ppl, "bench": bench, "info": info,
-            "serve": serve, "list": listing, "rm": rm}
+COMMANDS = {"run": run, "pull": pull, "convert": convert, "generate": generate, "chat": chat,
+            "ppl": ppl, "bench": bench, "info": info, "serve": serve, "list": listing, "rm": rm}
 
 
 class Parser(argparse.ArgumentParser):
@@ -104,8 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def short_help(parser: Parser) -> str:
+    """The usage line and the commands, each with its line of help: what a bare `tinyrt` says."""
+    commands = parser._commands._choices_actions
+    width = max(len(c.dest) for c in commands)
+    return (parser.format_usage() + "\ncommands:\n"
+            + "".join(f"  {c.dest:<{width}}  {c.help}\n" for c in commands)
+            + "\ntinyrt COMMAND --help: a command's options\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        # no command: the short help instead of argparse's error, on stderr with argparse's
+        # exit code 2, as every other command line that runs nothing (a script's empty
+        # $COMMAND fails, and its captured stdout holds no help text)
+        sys.stderr.write(short_help(parser))
+        return 2
+    args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command].main(args) or 0
     except TinyrtError as e:

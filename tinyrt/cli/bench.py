@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from .options import (add_draft_options, add_model_option, add_runtime_options, load_llm,
                       load_options, number)
@@ -15,13 +16,51 @@ def add_parser(sub) -> None:
                                    "(median of --runs), peak RSS, weight bytes per decoded token "
                                    "and the GB/s it makes.")
     add_model_option(p, positional=True)
-    # (read leniently, checked by bench.check_args before the model loads)
-    p.add_argument("--prompt-tokens", type=number, default=512)
-    p.add_argument("--decode-tokens", type=number, default=128)
-    p.add_argument("--runs", type=number, default=5)
+    # (read leniently, checked by bench.check_args before the model loads); the short names
+    # and the second long ones are llama-bench's
+    p.add_argument("--prompt-tokens", "-p", "--n-prompt", dest="prompt_tokens", type=number,
+                   default=512, metavar="N", help="tokens of the prompt (default 512)")
+    p.add_argument("--decode-tokens", "-n", "--n-gen", dest="decode_tokens", type=number,
+                   default=128, metavar="N", help="tokens decoded per run (default 128)")
+    p.add_argument("--runs", "-r", "--repetitions", dest="runs", type=number, default=5,
+                   metavar="N", help="runs; decode's figure is their median (default 5)")
     add_draft_options(p)
     add_runtime_options(p)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+class BenchProgress:
+    """What bench is doing, on stderr (stdout holds the figures alone): in a terminal a rich
+    line that goes when bench ends (the phase, run k of n, the time it has taken); where stderr
+    is no terminal (a log, a pipe), a plain line as each phase starts, none per run."""
+
+    def __init__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        self.terminal = console.is_terminal
+        self.bar = Progress(SpinnerColumn(), TextColumn("bench: {task.description}"), BarColumn(),
+                            TimeElapsedColumn(), console=console, transient=True,
+                            redirect_stdout=False,
+                            disable=not self.terminal)
+        self.task, self.phase = None, None
+
+    def __call__(self, what: str, done: int = 0, total: int | None = None, *,
+                 log: bool = True) -> None:
+        """Phase `what`, `done` of `total` steps (None: not counted). `log` False: no line where
+        stderr is no terminal (the loading's: an error in it stays the one line there)."""
+        if what != self.phase and log and not self.terminal:
+            print(f"bench: {what}", file=sys.stderr, flush=True)
+        self.phase = what
+        shown = what + (f": {min(done + 1, total)} of {total}" if total else "")
+        if self.task is None:
+            self.bar.start()
+            self.task = self.bar.add_task(shown, total=total)
+        self.bar.update(self.task, description=shown, completed=done, total=total)
+
+    def close(self) -> None:
+        self.bar.stop()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -31,12 +70,16 @@ def main(args: argparse.Namespace) -> int:
 
     # all before the model loads; the cache holds the prompt and the decoded tokens
     bench.check_args(args.prompt_tokens, args.decode_tokens, args.runs, flags=True)
-    llm = load_llm(args, load_options(
-        args, cache=CacheOptions(kv_size=args.prompt_tokens + args.decode_tokens)))
+    load = load_options(args, cache=CacheOptions(kv_size=args.prompt_tokens + args.decode_tokens))
+    progress = BenchProgress()
     try:
-        r = bench.run(llm, args.prompt_tokens, args.decode_tokens, args.runs)
+        progress("loading the model", log=False)
+        llm = load_llm(args, load)
+        r = bench.run(llm, args.prompt_tokens, args.decode_tokens, args.runs, progress)
     except ValueError as e:
         raise TinyrtError(str(e)) from None
+    finally:
+        progress.close()
     if args.json:
         print(json.dumps(r))
         return 0

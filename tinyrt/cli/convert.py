@@ -43,6 +43,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="most bytes of weights per safetensors file (e.g. 2GB, 500MB; default "
                         "%(default)s); a larger model is written in shards with an index")
+    p.add_argument("--requantize", action="store_true",
+                   help="convert a source of quantized weights (a 4-bit GGUF) with awq or rtn, "
+                        "rounding them a second time; without it such a source is refused "
+                        "(tinyrt runs it as it is)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT if it is a model directory tinyrt wrote (and does not hold "
                         "SRC); anything else is never replaced")
@@ -99,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
                       group_size=args.group_size, calib=args.calib,
                       calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
                       clip=not args.no_clip, seed=args.seed, force=args.force,
-                      max_shard_bytes=shard_bytes, progress=progress,
+                      max_shard_bytes=shard_bytes, progress=progress, requantize=args.requantize,
                       notice=lambda text: print(f"note: {text}", file=sys.stderr, flush=True))
     finally:
         progress.close()

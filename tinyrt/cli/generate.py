@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, shown
 
 from .options import (add_generation_options, add_model_option, generation_kwargs, load_llm,
                       load_options, read_stdin, speculative_line, text_arg)
@@ -16,15 +16,49 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a reply to one prompt",
                        description="Stream a reply to PROMPT ('-' reads it from stdin) from "
                                    "MODEL (or -m MODEL; default: the default model).")
-    add_model_option(p, positional=True)
-    p.add_argument("prompt", metavar="PROMPT")
+    add_prompt_arguments(p)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--stats", action="store_true", help="print timings to stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_generation_options(p)
 
 
+def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """[MODEL] [PROMPT] as positionals, -m MODEL and -p PROMPT (llama.cpp's) as options;
+    `place_prompt` says which a lone positional is."""
+    add_model_option(p, positional=True)
+    p.add_argument("prompt", nargs="?", metavar="PROMPT", help="'-' reads it from stdin")
+    p.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="PROMPT",
+                   help="the same as PROMPT (llama.cpp's spelling)")
+
+
+def place_prompt(args: argparse.Namespace, lone: str) -> None:
+    """Sort the positionals that `add_prompt_arguments` took into args.model_pos and
+    args.prompt, -p's PROMPT among them. argparse fills MODEL first; a lone positional is what
+    -m or -p leaves open, else `lone` ("model": `run MODEL`, "prompt": `generate PROMPT`)."""
+    given = [a for a in (args.model_pos, args.prompt) if a is not None]
+    if len(given) == 1:
+        open_ = [slot for slot, option in (("model", args.model), ("prompt", args.prompt_option))
+                 if option is None]
+        slot = open_[0] if len(open_) == 1 else lone
+        args.model_pos, args.prompt = (given[0], None) if slot == "model" else (None, given[0])
+    if args.prompt_option is not None:
+        if args.prompt is not None:
+            raise TinyrtError(f"two prompts given, {shown(args.prompt)} and -p "
+                              f"{shown(args.prompt_option)}: give one")
+        args.prompt, args.prompt_option = args.prompt_option, None
+
+
 def main(args: argparse.Namespace) -> int:
+    place_prompt(args, lone="prompt")
+    if args.prompt is None:
+        raise TinyrtError("no PROMPT given: tinyrt generate [MODEL] PROMPT, or -p PROMPT "
+                          "('-' reads it from stdin)")
+    return answer(args)
+
+
+def answer(args: argparse.Namespace) -> int:
+    """Stream the reply to args.prompt (placed by `place_prompt`)."""
     from tinyrt.api import MAX_TEXT_BYTES
 
     # every input checked before the model loads

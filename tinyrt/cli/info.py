@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .options import add_model_option, model_spec
@@ -38,32 +39,26 @@ def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str,
     return rows, cfg.to_dict(), weights.describe()
 
 
+def columns(rows: list[tuple[str, ...]]) -> str:
+    """`rows` as lines of columns aligned with two spaces, each value whole. Not a rich table:
+    rich lays one out at the console's width (80 columns where stdout is no terminal) and cuts
+    a long path there."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "".join("  ".join([*(f"{v:<{w}}" for v, w in zip(r, widths)), r[-1]]) + "\n"
+                   for r in rows)
+
+
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from tinyrt.registry import resolve
 
-    from tinyrt.registry import NotFetched, resolve
-
-    try:
-        path = resolve(model_spec(args), download=False)
-    except NotFetched as e:      # describing a model is no reason to download it
-        print(e)
-        return 0
+    # describing a model is no reason to download it: one not here is an error (NotFetched
+    # says how to fetch it)
+    path = resolve(model_spec(args), download=False)
     rows, cfg, kinds = _rows(path)
-    table = Table(show_header=False, box=None)
-    for k, v in rows:
-        table.add_row(k, v)
     keys = ["model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
             "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps",
             "tie_word_embeddings", "sliding_window"]
-    for k in keys:
-        if cfg.get(k) is not None:
-            table.add_row(k, str(cfg[k]))
-    console = Console()
-    console.print(table)
-    tensors = Table("tensor", "stored as", "runs as", box=None)
-    for row in kinds:
-        tensors.add_row(*row)
-    console.print(tensors)
+    rows += [(k, str(cfg[k])) for k in keys if cfg.get(k) is not None]
+    sys.stdout.write(columns(rows) + "\n" + columns([("tensor", "stored as", "runs as"), *kinds]))
     return 0

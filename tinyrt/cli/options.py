@@ -106,7 +106,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "generation", "Sampling defaults: the model's generation_config.json where it has one, "
                       "else llama.cpp's sampling settings with ollama's repeat penalty (shown "
                       "below).")
-    g.add_argument("-n", "--max-tokens", type=number, default=512, help="most tokens to generate")
+    g.add_argument("-n", "--max-tokens", "--n-predict", type=number, default=512, metavar="N",
+                   help="most tokens to generate (--n-predict: llama.cpp's name)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="go on past end-of-sequence tokens, to --max-tokens")
     g.add_argument("--temperature", type=number, default=None,
@@ -133,8 +134,14 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_runtime_options(g) -> None:
-    """Where and how the weights run: --device, --threads, --dtype."""
-    g.add_argument("--device", choices=DEVICES, default="auto")
+    """Where and how the weights run: --device, --threads, --dtype (and llama.cpp's -ngl, which
+    `load_options` answers with a note)."""
+    g.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto: the GPU where CUDA runs, else the CPU (default auto)")
+    # taken so that a llama.cpp command line runs (its -ngl 99 was read as -n gl); any value
+    g.add_argument("-ngl", "--n-gpu-layers", default=None, metavar="N",
+                   help="llama.cpp's layers on the GPU: ignored with a note; tinyrt runs every "
+                        "layer on the one device --device picks")
     g.add_argument("--threads", type=whole, default=None,
                    help="the most threads of the CPU kernels, 1 to the CPUs this process may use "
                         "(default: all of them); fewer while other programs keep cores busy")
@@ -159,17 +166,21 @@ def add_draft_options(g) -> None:
                         f"stops sooner where it is unsure (default {MAX_GAMMA})")
 
 
-def add_cache_options(g, *, policy: str, size: int | None = None) -> None:
-    """The KV cache options (`g` a parser or argument group): policy, size, sinks, recent, type."""
+def add_cache_options(g, *, policy: str, size: int | None = None, ctx_size: bool = True) -> None:
+    """The KV cache options (`g` a parser or argument group): policy, size, sinks, recent, type.
+    `ctx_size`: --kv-size answers to llama.cpp's -c/--ctx-size too (the size of its KV cache;
+    not in ppl, where -c is the window, as in llama-perplexity)."""
     from tinyrt.kv_options import DEFAULT_GROUPS, DEFAULT_RESIDUAL, KV_TYPES, POLICY_NAMES
 
     g.add_argument("--kv-policy", choices=list(POLICY_NAMES), default=policy,
                    help="KV cache policy: dense (fill, then stop), sink (StreamingLLM: keep the "
                         "first --sinks tokens and a ring of the most recent; streams forever) or "
                         f"h2o (sinks, --recent tokens and the heavy hitters; streams) (default {policy})")
-    g.add_argument("--kv-size", type=whole, default=None,
+    names = ("--kv-size", "-c", "--ctx-size") if ctx_size else ("--kv-size",)
+    g.add_argument(*names, dest="kv_size", type=whole, default=None, metavar="N",
                    help="KV cache size in tokens" + (f" (default {size})" if size else
-                                                     " (default: the model context, at most 4096)"))
+                                                     " (default: the model context, at most 4096)")
+                   + ("; -c/--ctx-size: llama.cpp's names" if ctx_size else ""))
     g.add_argument("--kv-mem", default=None, metavar="SIZE",
                    help="KV cache size as memory, e.g. 512MB or 2GiB: as many tokens as fit "
                         "(instead of --kv-size)")
@@ -222,6 +233,11 @@ def load_options(args: argparse.Namespace, cache=None) -> dict:
     draft = dict(draft=args.draft, draft_tokens=args.draft_tokens) if hasattr(args, "draft") \
         else {}                                   # (ppl has no draft options)
     check_runtime(args.threads, draft.get("draft_tokens"))
+    if args.n_gpu_layers is not None:
+        device = "auto: the GPU where CUDA runs, else the CPU" if args.device == "auto" \
+            else args.device
+        print(f"note: -ngl/--n-gpu-layers is llama.cpp's, ignored: tinyrt runs every layer on "
+              f"one device, the one --device picks ({device})", file=sys.stderr, flush=True)
     return dict(model=model_spec(args), device=args.device, threads=args.threads,
                 dtype=args.dtype, cuda_graph=args.cuda_graph, cache=cache or cache_options(args),
                 **draft)

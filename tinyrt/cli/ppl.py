@@ -17,13 +17,15 @@ def add_parser(sub) -> None:
                                    "through a KV cache of --kv-policy and --kv-size.")
     add_model_option(p, positional=True)
     p.add_argument("--text", required=True, metavar="FILE")
-    p.add_argument("--ctx", type=whole, default=2048)
+    p.add_argument("--ctx", "-c", "--ctx-size", dest="ctx", type=whole, default=2048, metavar="N",
+                   help="tokens per window (default 2048; -c/--ctx-size: llama-perplexity's "
+                        "names)")
     p.add_argument("--max-windows", type=whole, default=None)
     p.add_argument("--json", action="store_true")
     add_runtime_options(p)
     st = p.add_argument_group("KV cache (all but --kv-type, --kv-group and --kv-residual with --stream only)")
     st.add_argument("--stream", action="store_true", help="token by token through a KV cache")
-    add_cache_options(st, policy="sink", size=1024)
+    add_cache_options(st, policy="sink", size=1024, ctx_size=False)
     st.add_argument("--max-tokens", type=whole, default=None, help="use the text's first tokens")
 
 
