@@ -235,17 +235,18 @@ def test_model_is_given_as_the_first_argument_or_with_m(tiny_dir):
 
 
 def test_the_default_sampling_is_the_one_help_states(tiny_dir):
-    """Without sampling options: llama.cpp's temperature, top-k, top-p and min-p, and the repeat
-    penalty 1.1 (the tiny model has no generation_config.json), as --help says."""
+    """Without sampling options: tinyrt's temperature 0.2 and top-p 0.9, llama.cpp's top-k and
+    min-p, and the repeat penalty 1.1 (the tiny model has no generation_config.json), as --help
+    says."""
     run = ("generate", "-m", str(tiny_dir), "hi", "-n", "12", "--ignore-eos", "--seed", "5",
            "--json")
     default = run_tinyrt(*run)
-    stated = run_tinyrt(*run, "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95",
+    stated = run_tinyrt(*run, "--temperature", "0.2", "--top-k", "40", "--top-p", "0.9",
                         "--min-p", "0.05", "--repeat-penalty", "1.1")
     assert default.returncode == 0 and stated.returncode == 0, default.stderr + stated.stderr
     assert json.loads(default.stdout)["text"] == json.loads(stated.stdout)["text"]
     helped = run_tinyrt("generate", "--help").stdout
-    for words in ("(default 0.8)", "(default 40)", "(default 0.95)", "(default 0.05)",
+    for words in ("(default 0.2)", "(default 40)", "(default 0.9)", "(default 0.05)",
                   "(default 1.1 when sampling"):
         assert words in " ".join(helped.split()), words
 
