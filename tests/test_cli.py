@@ -375,3 +375,20 @@ def test_converting_a_quantized_gguf_stops_at_once(tmp_path):
     p = run_tinyrt("convert", str(src), str(tmp_path / "out"), "--method", "rtn",
                    "--group-size", "32", "--requantize")
     assert p.returncode == 0 and (tmp_path / "out" / "config.json").is_file(), p.stderr
+
+
+def test_info_says_which_sampling_defaults_apply_and_where_from(tmp_path):
+    """A model's own settings (its generation_config.json) are named as its; the others are
+    tinyrt's, with their values."""
+    d = write_tiny_model(tmp_path / "m", tiny_config())
+    p = run_tinyrt("info", str(d))
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in p.stdout.splitlines()
+            if line.strip()}
+    assert rows["sampling"] == ("temperature 0.2, top_k 40, top_p 0.9, min_p 0.05, "
+                                "repeat_penalty 1.1 (tinyrt's defaults)")
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    rows = {line.split()[0]: line.split(None, 1)[1]
+            for line in run_tinyrt("info", str(d)).stdout.splitlines() if line.strip()}
+    assert rows["sampling"] == ("temperature 0.6, top_k 20 (generation_config.json); top_p 0.9, "
+                                "min_p 0.05, repeat_penalty 1.1 (tinyrt's defaults)")

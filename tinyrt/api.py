@@ -75,6 +75,50 @@ def _generation_config(directory: Path) -> dict:
     return read_json(directory / "generation_config.json", missing_ok=True) or {}
 
 
+def model_sampling(directory: Path, weights, generation_config: dict | None = None) -> dict:
+    """The sampling settings a model asks for, name -> (value, source): its GGUF metadata's
+    (`weights`: models.weights.ModelWeights), then its generation_config.json's over them. A
+    value the sampler cannot use (top_k 2.5, a string) is left out, with one line: the model
+    still runs, on the default, as it would without it."""
+    if generation_config is None:
+        generation_config = _generation_config(directory)
+    sources = [("GGUF metadata", weights.sampling(), directory),
+               ("generation_config.json", generation_config,
+                directory / "generation_config.json")]
+    names = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+             ("min_p", "min_p"), ("repeat_penalty", "repetition_penalty"))
+    d = {}
+    for source, g, where in sources:             # the later source wins
+        for ours, theirs in names:
+            try:
+                value = check_value(ours, g.get(theirs), theirs)
+            except SettingError as e:
+                print(f"warning: {where}: {e}; using the default", file=sys.stderr)
+                continue
+            if value is not None:
+                d[ours] = value, source
+        if g.get("do_sample") is False:
+            d["temperature"] = 0.0, source
+    return d
+
+
+def sampling_sources(asked: dict) -> dict:
+    """Every shown setting of the sampler (SHOWN_SETTINGS) for a model that asks for `asked`
+    (model_sampling's): name -> (value, source), "tinyrt" where the model says nothing."""
+    params = SamplingParams(**{k: v for k, (v, _) in asked.items()})
+    return {name: asked.get(name, (getattr(params, name), "tinyrt")) for name in SHOWN_SETTINGS}
+
+
+def describe_sampling(sources: dict) -> str:
+    """sampling_sources' settings in one line, grouped by where they come from:
+    "temperature 0.6, top_p 0.9 (generation_config.json); top_k 40, ... (tinyrt's defaults)"."""
+    groups: dict[str, list[str]] = {}
+    for name, (value, source) in sources.items():
+        where = "tinyrt's defaults" if source == "tinyrt" else source
+        groups.setdefault(where, []).append(f"{name} {value:g}")
+    return "; ".join(f"{', '.join(names)} ({where})" for where, names in groups.items())
+
+
 def _largest_token_id(tokenizer) -> int:
     """The largest id the tokenizer can produce. A tokenizer.json's ids need not be contiguous
     (its count can be below its largest id), so an HF tokenizer's vocabulary is scanned; a
@@ -258,32 +302,11 @@ class LLM:
     def sampling_sources(self) -> dict:
         """Every default setting of the sampler as it applies to this model: name -> (value,
         where it comes from: "generation_config.json", "GGUF metadata" or "tinyrt")."""
-        params = SamplingParams(**self.sampling_defaults())
-        return {name: self._sampling_defaults.get(name, (getattr(params, name), "tinyrt"))
-                for name in SHOWN_SETTINGS}
+        return sampling_sources(self._sampling_defaults)
 
     @functools.cached_property
     def _sampling_defaults(self) -> dict:
-        # a value the sampler cannot use (top_k 2.5, a string) is left out, with one line: the
-        # model still runs, on the default, as it would without the file
-        sources = [("GGUF metadata", self.model.weights.sampling(), self.directory),
-                   ("generation_config.json", self.generation_config,
-                    self.directory / "generation_config.json")]
-        names = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
-                 ("min_p", "min_p"), ("repeat_penalty", "repetition_penalty"))
-        d = {}
-        for source, g, where in sources:             # the later source wins
-            for ours, theirs in names:
-                try:
-                    value = check_value(ours, g.get(theirs), theirs)
-                except SettingError as e:
-                    print(f"warning: {where}: {e}; using the default", file=sys.stderr)
-                    continue
-                if value is not None:
-                    d[ours] = value, source
-            if g.get("do_sample") is False:
-                d["temperature"] = 0.0, source
-        return d
+        return model_sampling(self.directory, self.model.weights, self.generation_config)
 
     # -- generation ---------------------------------------------------------------------------
 

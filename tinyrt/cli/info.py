@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
 
 def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str, str]]]:
     """(what the file is, its HF config, (kind, stored as, runs as) per kind of tensor)."""
+    from tinyrt.api import describe_sampling, model_sampling, sampling_sources
     from tinyrt.kv_options import CacheOptions
     from tinyrt.models import open_weights
 
@@ -36,6 +37,7 @@ def _rows(path: Path) -> tuple[list[tuple[str, str]], dict, list[tuple[str, str,
                  else "per tensor, as below" if weights.quantized else "none (float weights)"))
     rows.append(("KV cache", CacheOptions().describe(cfg) + " by default (--kv-size N or "
                  "--kv-mem SIZE, --kv-type f16|f32|q8|q4|q2)"))
+    rows.append(("sampling", describe_sampling(sampling_sources(model_sampling(path, weights)))))
     return rows, cfg.to_dict(), weights.describe()
 
 
