@@ -13,7 +13,8 @@ import time
 import pytest
 
 import tinyrt
-from helpers import HOSTILE_BYTES, run_tinyrt, seeded_rng, tiny_config, write_tiny_model
+from helpers import (HOSTILE_BYTES, byte_level_tokenizer, random_weights, run_tinyrt, seeded_rng,
+                     tiny_config, write_tiny_model)
 from tinyrt import chat as chat_module
 from tinyrt.cli import build_parser
 from tinyrt.cli import chat as chat_cli
@@ -26,6 +27,41 @@ rng = seeded_rng(__name__)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("chat") / "m", tiny_config(), seed=5)
+
+
+# what the `talker` model says, greedy, over and over: its tokens (byte-level BPE, Ġ a space)
+TALK = ["ĠHe", "Ġju", "mp", "s", "Ġf", "or", "Ġcaf", "e", "Ġ", "ove", "r", "Ġlaz", "y", "Ġd", "og",
+        "."]
+SAYS = " He jumps for cafe over lazy dog."
+
+
+@pytest.fixture(scope="module")
+def talker(tmp_path_factory):
+    """The tiny model made to say SAYS again and again (greedy), so that a screen can be read:
+    attention and the MLP add nothing, each of TALK's tokens has an embedding dimension of its
+    own, which lm_head maps to the next one's logit, and every other token's leads to the first."""
+    cfg = tiny_config()
+    vocab = byte_level_tokenizer(cfg["vocab_size"]).get_vocab()
+    ids = [vocab[t] for t in TALK]
+    w = random_weights(cfg)
+    for name, weight in w.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weight[:] = 0
+        elif name.endswith("norm.weight"):
+            weight[:] = 1
+    embed, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    embed[:], head[:] = 0, 0
+    embed[:, 0], head[ids[0], 0] = 10, 10
+    for i, t in enumerate(ids, 1):
+        embed[t, 0], embed[t, i] = 0, 10
+        head[ids[i % len(ids)], i] = 10
+    return write_tiny_model(tmp_path_factory.mktemp("chat") / "talker", cfg, weights=w)
+
+
+def test_the_talker_talks(talker):
+    chat = tinyrt.ChatSession(tinyrt.LLM(talker, kv_size=256), max_tokens=2 * len(TALK),
+                              temperature=0)
+    assert "".join(r.text for r in chat.send("hi")) == SAYS * 2
 
 
 class Fed:
@@ -537,6 +573,92 @@ def test_plain_text_in_a_terminal_wraps_at_words():
     assert shown[0].startswith("A **line**") and "```" in shown and shown[-1] == "last words"
 
 
+def test_a_stopped_reply_is_marked():
+    """A reply stopped in a terminal ends in a dim [stopped]: after its last words where they
+    leave room, else (a full line, a code block's coloured one, no text at all) on a line of
+    its own."""
+    def stopped(text, markdown=True):
+        from rich.console import Console
+
+        f = io.StringIO()
+        console = Console(file=f, width=40, height=25, force_terminal=True)
+        reply = chat_cli.Printer(console, markdown=markdown, notes=console).reply()
+        if text:
+            reply.write(text)
+        reply.close(stopped=True)
+        assert "\x1b[2m[stopped]" in f.getvalue()
+        return screen(f.getvalue(), 40)[0]
+
+    assert stopped("Some **bold** words\n\nand more")[-1] == "and more [stopped]"
+    assert stopped("x" * 35, markdown=False)[-2:] == ["x" * 35, "[stopped]"]
+    assert stopped("- item\n- and a longer one")[-1] == " • and a longer one [stopped]"
+    code = stopped("```\ncode\n")                  # (its last line a coloured margin)
+    assert code[-1] == "[stopped]" and code[-3].strip() == "code"
+    assert stopped("") == ["[stopped]"]
+
+
+def test_a_stopped_reply_shows_what_the_conversation_keeps(talker, capsys):
+    """A reply stopped while the stream holds text back (the start of a stop string): the
+    conversation keeps the text of all its tokens, and that is what is shown."""
+    chat = tinyrt.ChatSession(tinyrt.LLM(talker, kv_size=256), temperature=0, ignore_eos=True,
+                              stop=HELD)
+    asked = []
+
+    def stopped():                               # (Ctrl-C after 20 tokens)
+        asked.append(1)
+        return len(asked) > 20
+
+    chat_cli.reply(chat, "hi", chat_cli.Printer(None), stopped)
+    kept = chat.history[-1]["content"]
+    assert kept == (SAYS * 2)[:len(kept)] and len(kept) > len(SAYS) + 10
+    assert capsys.readouterr().out == kept + "\n" and chat.last_finish is None
+
+
+def test_keys_during_a_reply():
+    """During a reply the terminal neither echoes nor edits lines, and Ctrl-C keeps what was
+    typed; what is typed is read as it comes, without waiting when nothing was; Ctrl-D (the
+    byte 0x04) stops the reply and quits, and what follows it is dropped. The terminal's
+    settings come back whatever ends the reply (an error, a KeyboardInterrupt); a pipe is
+    left alone."""
+    import select
+    import termios
+
+    def typed(text):
+        os.write(master, text)
+        select.select([slave], [], [], 60)        # (the terminal passes it on)
+
+    master, slave = os.openpty()
+    try:
+        before = termios.tcgetattr(slave)
+        with chat_cli.Keys(slave) as keys:
+            mode = termios.tcgetattr(slave)[3]
+            assert not mode & (termios.ECHO | termios.ICANON) and mode & termios.NOFLSH
+            assert not keys.stopped() and keys.typed == b""
+            typed("déjà\x7f\x1b[D".encode())
+            assert not keys.stopped() and keys.typed == "déjà\x7f\x1b[D".encode()
+            keys.interrupt()                        # (Ctrl-C's signal handler)
+            assert keys.stopped() and not keys.quit
+            typed(b" vu")
+        assert keys.typed.endswith(b" vu")           # (typed after the last token)
+        assert termios.tcgetattr(slave) == before
+        for error in (RuntimeError, KeyboardInterrupt):
+            with pytest.raises(error), chat_cli.Keys(slave) as keys:
+                typed(b"one\x04two")
+                assert keys.stopped() and keys.quit and keys.typed == b"one"
+                raise error
+            assert termios.tcgetattr(slave) == before
+    finally:
+        os.close(master)
+        os.close(slave)
+    r, w = os.pipe()
+    os.write(w, b"x\x04")
+    with chat_cli.Keys(r) as keys:
+        assert not keys.stopped()
+    assert os.read(r, 10) == b"x\x04"
+    os.close(r)
+    os.close(w)
+
+
 def test_piped_replies_are_plain_text(capsys):
     """Without a console (stdout not a terminal) a reply is the text as generated, then a line
     end; nothing else on stdout."""
@@ -707,7 +829,7 @@ def test_terminal_chat(tiny, tmp_path):
     c.send("lines\r")
     time.sleep(0.3)
     c.sendcontrol("c")
-    c.expect(r"\(stopped\)")
+    c.expect_exact(chat_cli.STOPPED)
     ready(c)
     c.sendline(f"/save {tmp_path / 'c.json'}")
     c.expect("saved to")
@@ -739,6 +861,77 @@ def pexpect_eof():
     import pexpect
 
     return pexpect.EOF
+
+
+# a stop string that the talker's text keeps starting: the stream holds back the sentence it is
+# in, which the conversation keeps all the same when the reply is stopped
+HELD = SAYS.strip() + "!"
+
+
+def talk(talker, tmp_path):
+    """The talker in a terminal chat, with a reply that goes on until it is stopped."""
+    return spawn_chat(talker, tmp_path, "--temperature", "0", "--ignore-eos", "-n", "1000000",
+                      "--kv-policy", "sink", "--kv-size", "256", "--stop", HELD)
+
+
+def test_terminal_chat_keys_during_a_reply(talker, tmp_path):
+    """Keys typed during a reply, then Ctrl-C: nothing echoed (an echo in the reply's live
+    region made its redrawing leave a line twice), the reply on the screen once, as the
+    conversation keeps it (what the stream held back too), marked [stopped]; the keys wait in
+    the next prompt, and Enter sends them."""
+    c = talk(talker, tmp_path)
+    ready(c)
+    seen = io.StringIO()
+    c.logfile_read = seen
+    c.sendline("hello")
+    c.expect("jumps")
+    c.send("next question")
+    c.sendcontrol("c")
+    c.expect_exact(chat_cli.STOPPED)
+    c.expect(r"tokens · cache")
+    ready(c)
+    c.expect_exact("next question")                  # in the prompt
+    c.send("\r")
+    c.expect("jumps")
+    c.sendcontrol("c")
+    c.expect_exact(chat_cli.STOPPED)
+    ready(c)
+    c.sendline(f"/save {tmp_path / 'c.json'}")
+    c.expect("saved to")
+    ready(c)
+    c.sendline("/exit")
+    c.expect(pexpect_eof())
+    c.close()
+    assert c.exitstatus == 0
+    saved = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert [m["content"] for m in saved[::2]] == ["hello", "next question"]
+    first = saved[1]["content"]
+    assert first.startswith(SAYS)     # (and ends in a sentence, held back: the stop string's)
+    # the first reply as drawn, from the prompt's end to the status line after it
+    drawn = seen.getvalue().split("\x1b[?2004l", 1)[1].split("prefill")[0]
+    assert "^C" not in drawn and "next" not in drawn, drawn
+    shown, _ = screen(drawn, 200)
+    assert words(" ".join(shown)) == words(first) + ["stopped"], shown
+    assert shown[-1].endswith(chat_cli.STOPPED)
+
+
+def test_terminal_chat_ctrl_d_during_a_reply(talker, tmp_path):
+    """Ctrl-D during a reply stops it (kept, marked) and quits: exit 0, no traceback, and the
+    terminal as it was (echo and line editing on)."""
+    import termios
+
+    c = talk(talker, tmp_path)
+    ready(c)
+    c.sendline("hello")
+    c.expect("jumps")
+    c.sendcontrol("d")
+    c.expect_exact(chat_cli.STOPPED)
+    c.expect(r"tokens · cache")
+    c.expect(pexpect_eof())
+    mode = termios.tcgetattr(c.child_fd)[3]
+    c.close()
+    assert c.exitstatus == 0 and "Traceback" not in c.before, c.before
+    assert mode & termios.ECHO and mode & termios.ICANON
 
 
 @pytest.mark.real_model

@@ -11,8 +11,8 @@ import re
 import signal
 import stat
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tinyrt.errors import CacheFullError, TinyrtError
@@ -22,6 +22,7 @@ from .options import (add_generation_options, add_model_option, decode_text, gen
                       load_llm, number, speculative_line)
 
 MAX_LINE_BYTES = 1 << 20     # a piped input line (a turn, or a command); a longer one is skipped
+STOPPED = "[stopped]"        # after a reply stopped in a terminal
 # A streaming reply is drawn again at most this often: each drawing lays out the reply's last,
 # unfinished block, and the tokens that come in between are drawn together
 RENDER_INTERVAL = 1 / 15
@@ -46,7 +47,8 @@ HELP = """\
 /load FILE         read a conversation written by /save
 /exit              quit (or Ctrl-D)
 A line ending in \\ continues on the next line; Alt-Enter inserts a line break.
-Ctrl-C stops a reply (what it said stays) or clears the line."""
+Ctrl-C stops a reply (what it said stays) or clears the line; Ctrl-D during a reply
+stops it and quits. Keys typed during a reply go to the next prompt."""
 
 
 def add_parser(sub) -> None:
@@ -139,7 +141,7 @@ class Printer:
         self.console, self.markdown, self.notes, self.interval = console, markdown, notes, interval
 
     def reply(self):
-        """A reply's output: `write(text)` for each piece, `close(ended)` at the end."""
+        """A reply's output: `write(text)` for each piece, `close(ended, stopped)` at the end."""
         if self.console is None:
             return PlainReply()
         return LiveReply(self.console, markdown=self.markdown, interval=self.interval)
@@ -153,13 +155,13 @@ class Printer:
 
 class PlainReply:
     """A reply written to stdout as generated, then a line end (not after an error: its note
-    follows on stderr)."""
+    follows on stderr). A stopped reply is not marked: stdout is the replies' text alone."""
 
     def write(self, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    def close(self, ended: bool = True) -> None:
+    def close(self, ended: bool = True, stopped: bool = False) -> None:
         if ended:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -193,14 +195,18 @@ class LiveReply:
             self.drawn_at = now
             self._draw()
 
-    def close(self, ended: bool = True) -> None:
-        """Draw the rest and leave it on the screen (the reply's line ended)."""
-        if not self.live.is_started:
+    def close(self, ended: bool = True, stopped: bool = False) -> None:
+        """Draw the rest and leave it on the screen (the reply's line ended); a `stopped` reply
+        ends in a dim [stopped]."""
+        if not self.live.is_started:         # (no text came)
+            if stopped:
+                self.console.print(STOPPED, style="dim", markup=False, highlight=False)
             return
         try:
             self._draw()
             # the whole last block this time, however tall (Live's last drawing scrolls)
-            self.live.update(Lines(self._render(self.tail)), refresh=False)
+            self.live.update(Lines(self._render(self.tail), mark=STOPPED if stopped else ""),
+                             refresh=False)
         finally:
             self.live.stop()
 
@@ -233,14 +239,16 @@ class Lines:
     (rich starts a rendering that opens with a list so, and the parts are separated here), and
     with `fit` only the last lines that fit the console, less one: a live region taller than
     the screen cannot be drawn again in place (its top has scrolled off), so while a long block
-    streams its end shows; it is printed whole once complete."""
+    streams its end shows; it is printed whole once complete. A `mark` (dim) follows the last
+    line, or has a line of its own where it does not fit there."""
 
-    def __init__(self, renderable, fit: bool = False):
-        self.renderable, self.fit = renderable, fit
+    def __init__(self, renderable, fit: bool = False, mark: str = ""):
+        self.renderable, self.fit, self.mark = renderable, fit, mark
 
     def __rich_console__(self, console, options):
         from rich.markdown import Markdown
         from rich.segment import Segment
+        from rich.style import Style
 
         lines = console.render_lines(self.renderable, options, pad=False, new_lines=False)
         if isinstance(self.renderable, Markdown):
@@ -249,9 +257,29 @@ class Lines:
                 lines.pop(0)
         if self.fit:
             lines = lines[-max(1, options.size.height - 1):]
+        if self.mark:
+            mark = Segment(self.mark, Style(dim=True))
+            last = rstrip(lines[-1]) if lines else []
+            if last and Segment.get_line_length(last) + 1 + len(self.mark) <= options.max_width:
+                lines[-1] = [*last, Segment(" "), mark]
+            else:
+                lines.append([mark])
         for line in lines:
             yield from line
             yield Segment.line()
+
+
+def rstrip(line: list) -> list:
+    """A rendered line without the spaces that pad it to the width (where they have no colour:
+    a code block's do)."""
+    line = list(line)
+    while line and not (line[-1].style and line[-1].style.bgcolor):
+        text = line[-1].text.rstrip()
+        if text:
+            line[-1] = line[-1]._replace(text=text)
+            break
+        line.pop()
+    return line
 
 
 # a code fence's opening or closing line: ``` or ~~~ (an info string after ``` has no `)
@@ -283,13 +311,14 @@ def complete_blocks(text: str) -> int:
     return cut
 
 
-def command(session, line: str, out: Printer, stop: threading.Event | None = None) -> bool:
-    """Run one input line: a slash command or a user turn. False: quit."""
+def command(session, line: str, out: Printer, stopped: Callable[[], bool] | None = None) -> bool:
+    """Run one input line: a slash command or a user turn (stopped early where `stopped()` says
+    so, asked between tokens). False: quit."""
     if not is_text(line):            # (a terminal's invalid bytes, surrogate-escaped)
         out.note("error: the input is not valid UTF-8 text")
         return True
     if not line.startswith("/"):
-        reply(session, line, out, stop)
+        reply(session, line, out, stopped)
         return True
     name, _, arg = line.partition(" ")
     arg = arg.strip()
@@ -379,14 +408,17 @@ def settings_table(session) -> str:
                      for key, (shown, source) in rows.items())
 
 
-def reply(session, text: str, out: Printer, stop: threading.Event | None) -> None:
-    """Stream the reply to `text`, ending early when `stop` is set (by Ctrl-C)."""
+def reply(session, text: str, out: Printer, stopped: Callable[[], bool] | None) -> None:
+    """Stream the reply to `text`, ending early when `stopped()` (Ctrl-C, Ctrl-D); a reply so
+    stopped is shown as the conversation keeps it, and marked."""
     gen = session.send(text)
-    shown, error, ended = out.reply(), None, False
+    shown, error, ended, pieces, broke = out.reply(), None, False, [], False
     try:
         for r in gen:
             shown.write(r.text)
-            if stop is not None and stop.is_set():
+            pieces.append(r.text)
+            if stopped is not None and stopped():
+                broke = True
                 break
         ended = True
     except CacheFullError as e:
@@ -396,16 +428,21 @@ def reply(session, text: str, out: Printer, stop: threading.Event | None) -> Non
         error = f"error: {e}"
     finally:
         gen.close()
-        shown.close(ended)                   # (before a note: below the reply)
+        cut = ended and broke and session.last_finish is None
+        if cut:
+            # the conversation keeps the text of all the reply's tokens, some of which the
+            # stream held back (the start of a stop string, of a character): shown too
+            kept, said = session.messages[-1]["content"], "".join(pieces)
+            if kept.startswith(said):
+                shown.write(kept[len(said):])
+        shown.close(ended, stopped=cut)      # (before a note: below the reply)
     if error is not None:
         out.note(error)
         return
     cache = session.llm.cache
     if session.last is not None:
         out.note(status_line(session))
-    if session.last_finish is None:
-        out.note("(stopped)")
-    elif session.last_finish == "length" and not cache.streams and cache.free == 0:
+    if session.last_finish == "length" and not cache.streams and cache.free == 0:
         out.note("The KV cache is full: /reset to start over, or restart with --kv-policy sink.")
 
 
@@ -485,12 +522,89 @@ class Terminal:
                 return 0
             if not line.strip():
                 continue
-            stop = threading.Event()
+            keys = Keys(sys.stdin.fileno())
             # Ctrl-C during a reply sets a flag read between tokens, so that a forward pass is
             # never cut in the middle and the conversation keeps what was said
-            previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+            previous = signal.signal(signal.SIGINT, keys.interrupt)
             try:
-                if not command(self.session, line.strip(), self.out, stop):
-                    return 0
+                with keys:
+                    going_on = command(self.session, line.strip(), self.out, keys.stopped)
             finally:
                 signal.signal(signal.SIGINT, previous)
+            if not going_on or keys.quit:
+                return 0
+            type_ahead(prompt, keys.typed)
+
+
+def type_ahead(prompt, typed: bytes) -> None:
+    """Give the keys typed during a reply to the next prompt, as if typed there (prompt_toolkit
+    takes them first): the text shows in it, edited by the keys as the prompt edits (a
+    backspace, an arrow), and an Enter among them sends it."""
+    from prompt_toolkit.input.typeahead import store_typeahead
+    from prompt_toolkit.input.vt100_parser import Vt100Parser
+
+    presses = []
+    parser = Vt100Parser(presses.append)
+    parser.feed(typed.decode("utf-8", "surrogateescape"))    # (as prompt_toolkit reads keys)
+    parser.flush()
+    store_typeahead(prompt.input, presses)
+
+
+class Keys:
+    """The keyboard while a reply streams (or a command runs), on terminal `fd`. Keys are not
+    echoed: an echo lands in the reply's live region, and its line is then drawn twice. What is
+    typed is read between tokens (`stopped`) and kept in `typed`, for the next prompt. Ctrl-C
+    (a signal, as at any time: `interrupt`) stops the reply, and so does Ctrl-D (with line
+    editing off, the byte 0x04 in what is typed), which then quits (`quit`). The terminal's
+    settings come back at the end, whatever ends it. Not a terminal: nothing is read."""
+
+    def __init__(self, fd: int):
+        self.fd, self.typed, self.interrupted, self.quit = fd, bytearray(), False, False
+        self.saved = None
+
+    def __enter__(self) -> Keys:
+        try:
+            import termios
+        except ImportError:                  # (not POSIX: keys are left to the console)
+            return self
+        try:
+            saved, mode = termios.tcgetattr(self.fd), termios.tcgetattr(self.fd)
+            # no echo, no line editing (the bytes as typed, Ctrl-D too), reads that take what is
+            # there without waiting; signals stay (Ctrl-C) and keep what was typed (NOFLSH)
+            mode[3] = mode[3] & ~(termios.ECHO | termios.ICANON) | termios.NOFLSH
+            mode[6][termios.VMIN], mode[6][termios.VTIME] = 0, 0
+            termios.tcsetattr(self.fd, termios.TCSANOW, mode)
+        except termios.error:                # (not a terminal)
+            return self
+        self.saved = saved
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is None:
+            return
+        import termios
+
+        try:
+            self.read()                      # (what was typed after the last token)
+        finally:
+            termios.tcsetattr(self.fd, termios.TCSANOW, self.saved)
+
+    def interrupt(self, *_) -> None:
+        self.interrupted = True
+
+    def stopped(self) -> bool:
+        self.read()
+        return self.interrupted or self.quit
+
+    def read(self) -> None:
+        if self.saved is None or self.quit:
+            return
+        try:
+            while chunk := os.read(self.fd, 4096):
+                if b"\x04" in chunk:            # Ctrl-D: what follows it is not for the chat
+                    chunk, self.quit = chunk[:chunk.index(b"\x04")], True
+                self.typed += chunk[:max(0, MAX_LINE_BYTES - len(self.typed))]
+                if self.quit:
+                    return
+        except OSError:                      # the terminal is gone
+            self.quit = True
