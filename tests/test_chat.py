@@ -700,14 +700,21 @@ def test_set_shows_the_settings_in_effect(with_config, capsys):
     chat_cli.command(chat, "/set", chat_cli.Printer(None))
     rows = {line.split()[0]: line.split(None, 2)[1:] for line in
             capsys.readouterr().err.splitlines()}
-    assert rows["temperature"] == ["0.6", "the model's generation_config"]
-    assert rows["top_p"] == ["0.9", "the model's generation_config"]
+    assert rows["temperature"] == ["0.6", "the model's generation_config.json"]
+    assert rows["top_p"] == ["0.9", "the model's generation_config.json"]
     assert rows["top_k"] == ["7"]                              # the session's
     for key in ("min_p", "repeat_penalty"):                    # the sampler's own defaults
         value = getattr(SamplingParams(temperature=0.6, top_p=0.9), key)
         assert rows[key] == [str(value), "default"]
     assert rows["max_tokens"] == [str(DEFAULT_MAX_TOKENS), "default"]
     assert rows["seed"] == ["random"] and rows["stop"] == ["none"]
+
+
+def test_the_banner_says_which_sampling_applies_and_where_from(with_config):
+    chat = tinyrt.ChatSession(tinyrt.LLM(with_config, kv_size=256), top_k=7)
+    assert chat_cli.sampling_line(chat) == (
+        "sampling temperature 0.6, top_p 0.9 (the model's generation_config.json); top_k 7 "
+        "(yours); min_p 0.05, repeat_penalty 1.1 (tinyrt's defaults) · /set to change")
 
 
 def test_set_changes_a_setting_and_refuses_bad_values(with_config, capsys):
@@ -724,7 +731,7 @@ def test_set_changes_a_setting_and_refuses_bad_values(with_config, capsys):
         assert chat.settings[key] == value, line
         assert capsys.readouterr().err.startswith(f"{key} = "), line
     chat_cli.command(chat, "/set temperature default", out)
-    assert capsys.readouterr().err == ("temperature = 0.6 (the model's generation_config)\n")
+    assert capsys.readouterr().err == ("temperature = 0.6 (the model's generation_config.json)\n")
     before = dict(chat.settings)
     for line, words_ in [("/set temperature -1", "temperature"), ("/set top_k 2.5", "top_k"),
                          ("/set top_p 0", "top_p"), ("/set max-tokens 0", "max_tokens"),

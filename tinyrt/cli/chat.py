@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tinyrt.errors import CacheFullError, TinyrtError
-from tinyrt.sampling import DEFAULT_MAX_TOKENS, SamplingParams, is_text
+from tinyrt.sampling import DEFAULT_MAX_TOKENS, SHOWN_SETTINGS, SamplingParams, is_text
 
 from .options import (add_generation_options, add_model_option, decode_text, generation_kwargs,
                       load_llm, number, speculative_line)
@@ -378,13 +378,14 @@ def set_command(session, arg: str) -> str:
 
 def effective(session) -> dict[str, tuple[str, str]]:
     """Each of SETTINGS as the next turn runs on it, as text, and where it comes from when the
-    session does not set it: the model's generation_config.json or tinyrt's default. The
-    sampler's values are made as LLM.generation makes them: the session's over the model's
-    over SamplingParams' own."""
-    settings, model = session.settings, session.llm.sampling_defaults()
+    session does not set it: the model's own settings (its generation_config.json or GGUF
+    metadata) or tinyrt's default. The sampler's values are made as LLM.generation makes them:
+    the session's over the model's over SamplingParams' own."""
+    settings, model = session.settings, session.llm.sampling_sources()
     given = {k: v for k, v in settings.items()
              if k in SamplingParams.__dataclass_fields__ and v is not None}
-    params = SamplingParams(**{**model, **given})
+    params = SamplingParams(**{**{k: v for k, (v, src) in model.items() if src != "tinyrt"},
+                               **given})
     out = {}
     for key in SETTINGS:
         value = settings.get(key)
@@ -395,10 +396,22 @@ def effective(session) -> dict[str, tuple[str, str]]:
         elif key == "seed":
             out[key] = ("random" if value is None else str(value), "")
         else:
-            source = ("" if key in given else "the model's generation_config" if key in model
-                      else "default")
+            source = model.get(key, (None, "tinyrt"))[1]
+            source = ("" if key in given else "default" if source == "tinyrt"
+                      else f"the model's {source}")
             out[key] = (str(getattr(params, key)), source)
     return out
+
+
+def sampling_line(session) -> str:
+    """The sampler's settings in effect, grouped by where they come from, for the banner."""
+    groups: dict[str, list[str]] = {}
+    for key, (shown, source) in effective(session).items():
+        if key in SHOWN_SETTINGS:
+            where = {"": "yours", "default": "tinyrt's defaults"}.get(source, source)
+            groups.setdefault(where, []).append(f"{key} {shown}")
+    return "sampling " + "; ".join(f"{', '.join(v)} ({k})" for k, v in groups.items()) + \
+        " · /set to change"
 
 
 def settings_table(session) -> str:
@@ -513,6 +526,7 @@ class Terminal:
         self.out.note(f"{llm.directory.name} · KV cache "
                       f"{llm.cache_options.describe(llm.config, llm.cache.capacity)} · /help for "
                       "commands, Ctrl-D to quit")
+        self.out.note(sampling_line(self.session))
         while True:
             try:
                 line = prompt.prompt("> ")
