@@ -5,8 +5,8 @@ greedily (temperature 0): what is measured is what sampling loses, not what the 
 
     python benchmarks/default_answers.py [MODEL] [--seeds 5] [--try temperature=0.2,top_p=0.9 ...]
 
-Without --try: the model's defaults as `tinyrt` applies them (llm.sampling_defaults()). Each
---try is a set of settings over those defaults. The first three questions are issue 49's bar.
+Without --try: the defaults as `tinyrt` applies them to the model (the model's own settings, else
+tinyrt's). Each --try is a set of settings over those defaults. The first three questions are issue 49's bar.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import re
 
 import tinyrt
+from tinyrt.api import describe_sampling
 
 QUESTIONS = [
     ("What is the capital of France?", r"\bparis\b"),
@@ -61,11 +62,10 @@ def main() -> None:
     ap.add_argument("--try", dest="tries", action="append", default=[], type=settings)
     args = ap.parse_args()
     llm = tinyrt.load(args.model, quiet=True)
-    defaults = llm.sampling_defaults()
     asked = [(q, a) for q, a in QUESTIONS
              if right(llm.generate(q, temperature=0, max_tokens=MAX_TOKENS), a)]
     skipped = [q for q, _ in QUESTIONS if q not in dict(asked)]
-    print(f"model {llm.directory}; its defaults: {defaults or 'tinyrt'}'s")
+    print(f"model {llm.directory}; sampling {describe_sampling(llm.sampling_sources())}")
     if skipped:
         print("not right at temperature 0, left out: " + "; ".join(skipped))
     print(f"\n| settings | bar questions right | all questions right |\n|---|---:|---:|")
