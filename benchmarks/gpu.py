@@ -22,9 +22,9 @@ read plus write counted). The peer is transformers' LlamaForCausalLM of the same
 init in float16 (float32 on --device cpu), run eagerly (no compile, no CUDA graph; attention
 --hf-attn, sdpa by default) on the same ids, greedy one token at a time on its KV cache
 (use_cache=True), timed the same way (its argmax stays on the GPU between steps; tinyrt's token
-id crosses to the host each step, as a streamed reply needs). A shape whose weights and cache would not fit in the GPU's
-free memory is skipped with a note. If one engine fails, its error is reported and the other's
-figures still stand.
+id crosses to the host each step, as a streamed reply needs). A shape whose weights and cache
+would not fit in the GPU's free memory is skipped with a note. If one engine fails, its error is
+reported and the other's figures still stand; a package that is not installed is one line.
 
     # on a CUDA machine (torch with CUDA, transformers, Numba with libNVVM); the first run writes
     # ~3.9 GB (llama2-7b) and ~5.7 GB (llama3-8b) of model files under --workdir
@@ -32,6 +32,9 @@ figures still stand.
     python benchmarks/gpu.py --models llama3-8b --decode-tokens 256 --runs 5 --json > gpu.json
     # the script's logic without a GPU: toy shapes (2 layers, hidden 256) on the CPU backend
     python benchmarks/gpu.py --device cpu --smoke --threads 2
+    # a GPU machine with no network (tinyrt not installed there): prepare here, one model a run
+    bash benchmarks/gpu_offline.sh prepare            # here: .gpu_offline/, to bring along
+    bash benchmarks/gpu_offline.sh run --models llama2-7b      # there: python benchmarks/gpu.py
 
 No figures from this script exist yet: it has not run on a GPU.
 """
@@ -218,6 +221,13 @@ def prompt(ctx: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(ctx).integers(2, vocab, ctx)
 
 
+def default_gguf() -> Path:
+    """Where tinyrt's cache keeps the default model's GGUF (`tinyrt pull` puts it there)."""
+    from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
+
+    return cache_dir() / "gguf" / Path(KNOWN_MODELS[DEFAULT_MODEL].member).name
+
+
 def bench_tinyrt(path: Path, args, contexts: list[int]) -> tuple[dict, dict]:
     """tinyrt's figures per context, and the model's shape as tinyrt loaded it."""
     import tinyrt
@@ -309,10 +319,23 @@ def bench_hf(shape: dict, args, contexts: list[int]) -> dict:
     return out
 
 
+def missing(e: ModuleNotFoundError) -> str:
+    """What a package that is not installed stops, in words."""
+    top = (e.name or "?").split(".")[0]
+    if top == "tinyrt":
+        return ("tinyrt is not installed (pip install -e . ; where there is no network, "
+                "bash benchmarks/gpu_offline.sh run)")
+    return f"the Python package {top} is not installed"
+
+
 def guarded(name: str, engine: str, fn, *a):
-    """fn(*a), or {"error": ...} with the traceback on stderr; device memory freed after."""
+    """fn(*a), or {"error": ...} with the traceback on stderr ({"skipped": ...} and one line for
+    a package that is not installed); device memory freed after."""
     try:
         return fn(*a)
+    except ModuleNotFoundError as e:
+        print(f"{name}: {engine} skipped: {missing(e)}", file=sys.stderr)
+        return {"skipped": missing(e)}
     except Exception as e:                               # noqa: BLE001
         traceback.print_exc()
         print(f"{name}: {engine} failed: {e!r}", file=sys.stderr)
@@ -380,7 +403,11 @@ def main() -> int:
     import platform
 
     import torch
-    import transformers
+    try:
+        import transformers
+    except ModuleNotFoundError as e:     # tinyrt's figures without the peer's
+        transformers = None
+        print(f"transformers skipped: {missing(e)}", file=sys.stderr)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -390,7 +417,7 @@ def main() -> int:
               else f"cpu ({platform.processor() or platform.machine()})")
     bw = copy_bandwidth(args.device, 2**30 if args.device == "cuda" else 2**26)
     report = {"device": device, "copy_gb_s": bw, "torch": torch.__version__,
-              "transformers": transformers.__version__, "smoke": args.smoke,
+              "transformers": transformers and transformers.__version__, "smoke": args.smoke,
               "decode_tokens": args.decode_tokens, "runs": args.runs, "models": {}}
     if not args.json:
         print(f"{device}: torch copy {bw:.0f} GB/s (read + write); {args.decode_tokens} greedy "
@@ -398,20 +425,22 @@ def main() -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     shapes = SMOKE if args.smoke else SHAPES
     for name in names:
-        if name == "default":
-            from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS, cache_dir
-
-            cached = cache_dir() / "gguf" / Path(KNOWN_MODELS[DEFAULT_MODEL].member).name
-            path = args.default_model or cached
-            source = ("the default model's GGUF (Q4_1)" if args.default_model is None
-                      else f"GGUF {path.name}")
-            if not path.exists():
-                print(f"default: skipped: no {path} (`tinyrt pull` fetches it where there is a "
-                      "network; or give --default-model)", file=sys.stderr)
-                continue
-        else:
-            path = awq_model(args.workdir, name, shapes[name], args.smoke)
-            source = f"random weights, AWQ 4-bit g128{', smoke shape' if args.smoke else ''}"
+        try:
+            if name == "default":
+                path = args.default_model or default_gguf()
+                source = ("the default model's GGUF (Q4_1)" if args.default_model is None
+                          else f"GGUF {path.name}")
+                if not path.exists():
+                    print(f"default: skipped: no {path} (`tinyrt pull` fetches it where there "
+                          "is a network; or give --default-model)", file=sys.stderr)
+                    continue
+            else:
+                path = awq_model(args.workdir, name, shapes[name], args.smoke)
+                source = f"random weights, AWQ 4-bit g128{', smoke shape' if args.smoke else ''}"
+        except ModuleNotFoundError as e:
+            hint = " (or give --default-model)" if name == "default" else ""
+            print(f"{name}: skipped: {missing(e)}{hint}", file=sys.stderr)
+            continue
         m = {"source": source, "path": str(path), "contexts": contexts}
         m["tinyrt"], shape = guarded(name, "tinyrt", bench_tinyrt, path, args, contexts), None
         if isinstance(m["tinyrt"], tuple):
@@ -419,8 +448,10 @@ def main() -> int:
         elif name != "default":
             shape = dict(shapes[name], tie_word_embeddings=False)
         m["shape"], m["params"] = shape, shape and hf_params(shape)
-        m["transformers"] = (guarded(name, "transformers", bench_hf, shape, args, contexts)
-                             if shape else {"skipped": "no shape (tinyrt did not load it)"})
+        m["transformers"] = (
+            {"skipped": "no shape (tinyrt did not load it)"} if not shape
+            else {"skipped": "not installed"} if transformers is None
+            else guarded(name, "transformers", bench_hf, shape, args, contexts))
         for ctx, a in m["tinyrt"].get("contexts", {}).items():
             a["pct_copy_bw"] = 100 * a["gb_s"] / bw
             if b := m["transformers"].get("contexts", {}).get(ctx):
@@ -434,4 +465,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ModuleNotFoundError as e:    # (torch, numpy: nothing to measure without them)
+        sys.exit(f"gpu.py: {missing(e)}")

@@ -182,3 +182,33 @@ def test_generation_on_the_device_is_the_host_s(tiny, monkeypatch, policy, size,
 
 def _tokens(gen) -> list[int]:
     return [r.token for r in gen if r.token is not None]
+
+
+class CaptureError(Exception):
+    """As Numba's CudaAPIError on a GPU: an Exception, not a RuntimeError (the simulator's own
+    CudaAPIError is one, so it cannot stand in)."""
+
+
+def test_a_failed_capture_leaves_the_eager_step(tiny, monkeypatch, capsys):
+    """A CUDA graph capture that raises anything (here as a Numba launch's CudaAPIError would)
+    does not end the generation: the steps go on eagerly, with the eager steps' tokens, and one
+    line on stderr says so. (The simulator cannot capture: capture is made to raise.)"""
+    import tinyrt
+
+    opts = dict(device="cuda", kv_policy="sink", kv_size=9, sinks=2)
+    ids = list(seeded_rng().integers(3, 300, 5))
+    kw = dict(max_tokens=16, ignore_eos=True, temperature=0, repeat_penalty=1.2)
+    want = _tokens(tinyrt.LLM(tiny, cuda_graph=False, **opts).generation(ids, **kw))
+    capsys.readouterr()
+    tries = []
+
+    def capture(self):
+        tries.append(1)
+        raise CaptureError("[700] CUDA_ERROR_ILLEGAL_ADDRESS\nmore")
+    monkeypatch.setattr(device_decode, "SIM", False)       # the decoder tries a graph
+    monkeypatch.setattr(device_decode.DeviceDecoder, "_capture", capture)
+    got = _tokens(tinyrt.LLM(tiny, **opts).generation(ids, **kw))
+    assert got == want and len(got) == 16 and tries == [1]
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["note: a CUDA graph of the decode step could not be captured (CaptureError: "
+                   "[700] CUDA_ERROR_ILLEGAL_ADDRESS); the steps run eagerly"]

@@ -227,22 +227,40 @@ class DeviceDecoder:
     def _warm_and_capture(self) -> None:
         """The first step runs eagerly on a side stream (kernels compiled and loaded, torch's
         allocator and cuBLAS warmed, as torch asks before a capture); then the step is captured
-        for the next ones (capture records the launches, it runs nothing)."""
+        for the next ones (capture records the launches, it runs nothing). A capture that fails
+        in any way (torch's RuntimeError, Numba's CudaAPIError from a launch, anything) leaves
+        the eager step: a generation must not end for want of a graph."""
         t = self.t
-        side = t.cuda.Stream()
-        side.wait_stream(t.cuda.current_stream())
-        with t.cuda.stream(side):
+        if self.be.device == "cpu":       # (torch tensors in host memory: Numba's simulator)
             self._step()
-        t.cuda.current_stream().wait_stream(side)
-        self.graph = t.cuda.CUDAGraph()
-        try:
-            with t.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        else:
+            side = t.cuda.Stream()
+            side.wait_stream(t.cuda.current_stream())
+            with t.cuda.stream(side):
                 self._step()
-        except RuntimeError as e:        # (the step it would record ran eagerly above)
+            t.cuda.current_stream().wait_stream(side)
+        try:
+            self.graph = self._capture()
+        except Exception as e:           # noqa: BLE001 (the step it would record ran above)
             self.graph, self.use_graph = None, False
-            why = (str(e).splitlines() or [type(e).__name__])[0]
-            print(f"note: a CUDA graph of the decode step could not be captured ({why}); the "
-                  "steps run eagerly", file=sys.stderr)
+            first = e
+            while first.__context__ is not None:   # the first failure, not capture_end's after
+                first = first.__context__
+            why = (str(first).splitlines() or [""])[0]
+            print(f"note: a CUDA graph of the decode step could not be captured "
+                  f"({type(first).__name__}: {why}); the steps run eagerly", file=sys.stderr)
+
+    def _capture(self):
+        """The decode step recorded as a CUDA graph."""
+        t = self.t
+        graph = t.cuda.CUDAGraph()
+        stream = t.cuda.current_stream()
+        try:
+            with t.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._step()
+        finally:   # (torch's graph leaves its capture stream current if ending the capture fails)
+            t.cuda.set_stream(stream)
+        return graph
 
     def finish(self) -> None:
         """Write the cache's bookkeeping back into the cache object (after the last step)."""
