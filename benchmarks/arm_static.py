@@ -3,15 +3,17 @@ generates for the 4-bit GEMV's tile loop (simd.tile_dot4) and for decode attenti
 loops (simd.cache_dots, cache_axpy4), compiled by llvmlite for Arm cores and for x86, and each
 hot loop's instructions counted.
 
-    python benchmarks/arm_static.py [--json] [--target NAME ...]
+    python benchmarks/arm_static.py [--json] [--target NAME ...] [--form pairs|neon]
                                     [--bits 4] [--tokens 1]
 
-Targets: cortex-a78 (+dotprod: Jetson Orin's cores), apple-m1, cortex-a57 (Armv8.0: Jetson
-Nano's; Raspberry Pi 5's Cortex-A76 sits between), x86 (znver4: AVX-512 VNNI) and x86-avx2
-(haswell), for reference. Per target and loop: the instructions of the loop (the innermost
-loop, found by its backward branch, with the most multiply products), how many touch the stack
-(spills), the products per iteration (4 per smlal, 16 per sdot, 32 per zmm vpdpwssd, ...) and
-instructions per product: per 4-bit weight, for the GEMV of one token.
+Targets: cortex-a78 (+dotprod: Jetson Orin's cores; Raspberry Pi 5's Cortex-A76 is of the same
+Armv8.2 family), apple-m1, cortex-a57 (Armv8.0: Jetson Nano's), and for reference x86 (znver4:
+AVX-512 VNNI) and x86-avx2 (haswell). The GEMV's form is the one Numba builds on each target
+(simd.gemv_form) unless --form names one (`--form pairs` shows what Arm ran before its own
+form). Per target and loop: the instructions of the loop (the innermost loop, found by its
+backward branch, with the most multiply products), how many touch the stack (spills), the
+products per iteration (4 per smlal, 16 per sdot, 32 per zmm vpdpwssd, ...) and instructions per
+product: per 4-bit weight for the GEMV of one token (--tokens: per weight and token).
 
 How: the wrapper of each intrinsic is compiled here by Numba and its IR taken before Numba
 optimizes it (on an Arm machine Numba optimizes that IR for Arm; the host's optimized IR would
@@ -40,13 +42,15 @@ TARGETS = {   # name: (triple, cpu, features)
 }
 DEFAULT_TARGETS = ["cortex-a78", "apple-m1", "cortex-a57", "x86"]
 
-# multiply instructions and the products one makes (per lane of its destination: an Arm
-# arrangement such as .4s, or an x86 register's width in 32-bit lanes)
-ARM_PRODUCTS = {m: 1 for m in ("smull", "smull2", "smlal", "smlal2", "umull", "umull2", "umlal",
-                               "umlal2", "mul", "mla", "fmul", "fmla")}
-ARM_PRODUCTS.update(sdot=4, udot=4, usdot=4)
-X86_PRODUCTS = {"vpdpwssd": 2, "vpmaddwd": 2, "vpdpbusd": 4, "vpmulld": 1, "vfmadd231ps": 1,
-                "vfmadd213ps": 1, "vfmadd132ps": 1, "vmulps": 1}
+# multiply instructions, integer or float, and the products one makes per lane of its
+# destination (an Arm arrangement such as .4s, or an x86 register's width in 32-bit lanes)
+PRODUCTS = {
+    "int": {"smull": 1, "smull2": 1, "smlal": 1, "smlal2": 1, "umull": 1, "umull2": 1,
+            "umlal": 1, "umlal2": 1, "mul": 1, "mla": 1, "sdot": 4, "udot": 4, "usdot": 4,
+            "vpdpwssd": 2, "vpmaddwd": 2, "vpdpbusd": 4, "vpmulld": 1},
+    "float": {"fmul": 1, "fmla": 1, "vmulps": 1, "vfmadd231ps": 1, "vfmadd213ps": 1,
+              "vfmadd132ps": 1},
+}
 X86_LANES = {"zmm": 16, "ymm": 8, "xmm": 4}
 ARM_LANES = {"4s": 4, "2s": 2, "8h": 8, "4h": 4, "2d": 2}
 
@@ -86,15 +90,13 @@ def loops(asm: str) -> list[tuple[int, int]]:
     return [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
 
 
-def products(mnemonic: str, operands: str) -> int:
-    """Multiply products of one instruction (0 for any other)."""
-    if mnemonic in ARM_PRODUCTS:
-        m = re.search(r"\.(\d+[bhsd])\b", operands)
-        return ARM_PRODUCTS[mnemonic] * ARM_LANES.get(m.group(1), 0) if m else 0
-    if mnemonic in X86_PRODUCTS:
-        m = re.search(r"%([xyz]mm)", operands)
-        return X86_PRODUCTS[mnemonic] * X86_LANES[m.group(1)] if m else 0
-    return 0
+def products(mnemonic: str, operands: str, kind: str = "int") -> int:
+    """Multiply products of one instruction of `kind` ("int" or "float"; 0 for any other)."""
+    per_lane = PRODUCTS[kind].get(mnemonic, 0)
+    arm = re.search(r"\.(\d+[bhsd])\b", operands)
+    x86 = re.search(r"%([xyz]mm)", operands)
+    lanes = ARM_LANES.get(arm.group(1), 0) if arm else X86_LANES[x86.group(1)] if x86 else 0
+    return per_lane * lanes
 
 
 def spills(operands: str) -> bool:
@@ -102,25 +104,24 @@ def spills(operands: str) -> bool:
     return "[sp" in operands or "(%rsp)" in operands
 
 
-def hot_loop(asm: str, tokens: int = 1) -> dict:
-    """The innermost loop with the most multiply products per iteration, counted: its
+def hot_loop(asm: str, kind: str = "int") -> dict:
+    """The innermost loop with the most multiply products of `kind` per iteration, counted: its
     instructions, their mnemonics, the stack accesses among them, the products per iteration,
-    and instructions per product per token (per weight, for a GEMV)."""
+    and instructions per product (per weight, for a GEMV of one token)."""
     code = instructions(asm)
     best = None
     for first, last in loops(asm):
         body = [(m, ops) for i, m, ops in code if first <= i <= last]
-        made = sum(products(m, ops) for m, ops in body)
+        made = sum(products(m, ops, kind) for m, ops in body)
         if best is None or made > best[0]:
             best = (made, body)
     if best is None:
         raise ValueError("no loop in the assembly")
     made, body = best
     counts = collections.Counter(m for m, _ in body)
-    per = made // tokens
     return {"instructions": len(body), "mnemonics": dict(counts.most_common()),
             "stack_accesses": sum(spills(ops) for _, ops in body),
-            "products": made, "per_product": round(len(body) / per, 3) if per else None}
+            "products": made, "per_product": round(len(body) / made, 3) if made else None}
 
 
 # -- IR: from Numba, retargeted ------------------------------------------------------------------
@@ -201,11 +202,11 @@ def _qlinear(bits: int, n_in: int = 256, tiles: int = 2):
                    32, 16 * tiles)
 
 
-def gemv_ir(bits: int = 4, tokens: int = 1) -> str:
-    """The IR Numba generates for a GEMV over tiles with simd's tile_dot."""
+def gemv_ir(form: str, bits: int = 4, tokens: int = 1) -> str:
+    """The IR Numba generates for a GEMV over tiles with simd's tile_dot of `form`."""
     from numba import njit
     from tinyrt.kernels.cpu import simd
-    tile = simd._tile_dot(bits, tokens)
+    tile = simd.make_tile_dot(bits, tokens, form)
 
     @njit(fastmath=True)
     def arm_static_gemv(w, xp, sx, xsum, out):
@@ -250,17 +251,19 @@ def attention_ir(which: str, heads: int = 4) -> str:
     return function_ir(modules, f"arm_static_{which}")
 
 
-def report(targets: list[str], bits: int, tokens: int) -> list[dict]:
-    gemv = gemv_ir(bits, tokens)
+def report(targets: list[str], form: str | None, bits: int, tokens: int) -> list[dict]:
+    from tinyrt.kernels.cpu import simd
+    forms = {t: form or simd.gemv_form(TARGETS[t][0]) for t in targets}
+    gemv = {f: gemv_ir(f, bits, tokens) for f in set(forms.values())}
     attention = {which: attention_ir(which) for which in ("dots", "axpy")}
     rows = []
     for t in targets:
         triple, cpu, features = TARGETS[t]
-        loops_ = {f"gemv{bits}": hot_loop(compile_for(gemv, t), tokens)}
+        loops_ = {f"gemv{bits}": hot_loop(compile_for(gemv[forms[t]], t))}
         for which, text in attention.items():
-            loops_[f"attention_{which}"] = hot_loop(compile_for(text, t))
+            loops_[f"attention_{which}"] = hot_loop(compile_for(text, t), kind="float")
         rows.append({"target": t, "triple": triple, "cpu": cpu, "features": features,
-                     "tokens": tokens, "loops": loops_})
+                     "form": forms[t], "tokens": tokens, "loops": loops_})
     return rows
 
 
@@ -269,14 +272,16 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per target")
     p.add_argument("--target", action="append", choices=sorted(TARGETS),
                    help=f"repeatable; default: {' '.join(DEFAULT_TARGETS)}")
+    p.add_argument("--form", choices=("pairs", "neon"), help="the GEMV's form on every target")
     p.add_argument("--bits", type=int, choices=(4, 5, 6, 8), default=4)
     p.add_argument("--tokens", type=int, default=1, help="tokens per tile pass (1: the GEMV)")
     args = p.parse_args()
-    for row in report(args.target or DEFAULT_TARGETS, args.bits, args.tokens):
+    for row in report(args.target or DEFAULT_TARGETS, args.form, args.bits, args.tokens):
         if args.json:
             print(json.dumps(row))
             continue
-        print(f"{row['target']} ({row['cpu']}{' ' + row['features'] if row['features'] else ''})")
+        print(f"{row['target']} ({row['cpu']}{' ' + row['features'] if row['features'] else ''}"
+              f", GEMV form {row['form']})")
         for name, loop in row["loops"].items():
             top = " ".join(f"{m}:{n}" for m, n in list(loop["mnemonics"].items())[:10])
             print(f"  {name:18} {loop['instructions']:4} instructions, {loop['per_product']} per "

@@ -185,6 +185,47 @@ def test_q_gemv_tasks(threads, n_out):
     assert rel_err(y[0], quant.dequantize(w) @ x[0]) < 1e-4
 
 
+def _tiles_of_form(bits: int, tokens: int, form: str):
+    """Every tile of a layer through simd's tile_dot of `form` ("pairs": x86's multiply-adds of
+    pairs, "neon": Arm's widening multiply-accumulates): y[k] = tile k's out ([LANES] for one
+    token, else [tokens, LANES])."""
+    tile = cpu.simd.make_tile_dot(bits, tokens, form)
+
+    @njit(fastmath=True)
+    def run(w, xp, sx, xsum, out, y):
+        for k in range(w.lo.shape[0]):
+            tile(w, k, xp, sx, xsum, 0, out)
+            y[k] = out
+    return run
+
+
+@pytest.mark.parametrize("bits, g, half, form, T", [
+    (4, 32, True, "offset", 1), (4, 32, True, "offset", 2), (4, 128, True, "awq", 4),
+    (4, 32, False, "k", 8), (5, 32, True, "k", 1), (5, 32, True, "zero", 8),
+    (6, 16, True, "zero-k", 2), (6, 16, False, "zero-k", 3), (8, 32, True, "zero", 4),
+    (8, 16, False, "offset", 1)])
+def test_both_forms_of_the_integer_loop_give_the_same_sums(bits, g, half, form, T):
+    """The GEMV's integer loop in both its forms, whichever this CPU runs (simd.GEMV_FORM; the
+    other compiles as plain vector code): the Arm form's sums are the x86 form's, to the bit,
+    for 1 to 8 tokens (passes of 16, 8 or 4 outputs, tokens 4 at a time), and both match
+    the NumPy reference."""
+    n_in, n_out = 512, 40
+    w = packed(n_in, n_out, g, bits, half, form)
+    p = cpu.linear.repack([w])
+    x = (rng.standard_normal((T, n_in)) * rng.choice([0.01, 1, 30], (T, n_in))).astype(np.float32)
+    block, xp, sx, xsum = cpu.linear._activation_buffers(T, n_in, p.group)
+    for t in range(T):
+        cpu.linear.quantize_pairs(x[t], block, xp[t], sx[t], xsum[t])
+    got = {}
+    for f in ("pairs", "neon"):
+        out = np.empty((T, cpu.simd.LANES) if T > 1 else cpu.simd.LANES, np.float32)
+        y = np.full((p.lo.shape[0], *out.shape), np.nan, np.float32)
+        _tiles_of_form(bits, T, f)(p, xp, sx, xsum, out, y)
+        got[f] = y.reshape(p.lo.shape[0], T, -1).transpose(1, 0, 2).reshape(T, -1)[:, :n_out]
+    assert np.array_equal(got["neon"].view(np.int32), got["pairs"].view(np.int32))
+    assert rel_err(got["neon"], ref.linear(x, quant.dequantize(w))) < 1e-4
+
+
 def test_exp():
     x = np.concatenate([rng.uniform(-87, 88, 100_000), [0, -1e-8, -87.2]]).astype(np.float32)
     want = np.exp(x.astype(np.float64))

@@ -3,10 +3,15 @@ float16 (or float32) KV cache rows of decode attention (to_cache / as_float, cac
 cache_axpy4, fmax at the end of the file).
 
 Numba types integer arithmetic in 64 bits, and LLVM's vectorizer then multiplies the codes by
-activations in 64-bit lanes. Written directly as LLVM vector IR, the same loop lowers to the
-CPU's 16-bit multiply-add of pairs (x86: pmaddwd, or vpdpwssd where AVX-512 VNNI / AVX-VNNI exist),
-which multiplies 32 code/activation pairs per instruction. The IR is target-independent; LLVM
-picks the instructions for the machine Numba compiles for (on Arm today: smull on halves).
+activations in 64-bit lanes. Written directly as LLVM vector IR, the loop takes one of two forms,
+chosen by the CPU Numba compiles for (GEMV_FORM; benchmarks/arm_static.py shows what each
+lowers to, compiled for Arm and x86 on any machine):
+- "pairs" (x86 and any other CPU, _pair_sums): 16-bit multiply-adds of pairs, 32 code/activation
+  pairs per instruction: vpdpwssd where AVX-512 VNNI or AVX-VNNI exist, else pmaddwd and adds.
+- "neon" (64-bit Arm, _neon_sums): the widening multiply-accumulates of Armv8.0, smlal and
+  smlal2 (4 int16 products into 4 int32 sums each), both halves of the activation pair kept as
+  separate sums and added after a block (addp), with tiles sized so that the sums stay in the
+  32 NEON registers. The same integer sums as "pairs", to the bit.
 
 The layout it reads, "pair-planar tiles", for values of b = 1, 2 or 4 bits (a plane of the codes
 of kernels.quant: their low 4 bits, or their high 1, 2 or 4 bits): a layer's outputs go in
@@ -22,6 +27,7 @@ reads each tile from start to end, the whole layer in the order it lies in memor
 
 from __future__ import annotations
 
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -30,6 +36,15 @@ from numba.extending import intrinsic
 LANES = 16          # outputs per vector: int32 lanes of a 512-bit register (LLVM splits if narrower)
 PREFETCH_BYTES = 2048   # how far ahead of its loads tile_dot asks for memory (best of 0.5-8 KiB)
 HALF_MAX = 65504.0     # the largest finite float16
+
+
+def gemv_form(triple: str) -> str:
+    """The form of the GEMV's integer loop for an LLVM target triple: "neon" on 64-bit Arm (Linux's
+    aarch64, Apple's arm64), "pairs" elsewhere (see the module's docstring)."""
+    return "neon" if triple.split("-")[0] in ("aarch64", "arm64") else "pairs"
+
+
+GEMV_FORM = gemv_form(llvm.get_process_triple())    # the CPU Numba compiles for: this one
 
 
 @njit(cache=True, inline="always")
@@ -135,6 +150,122 @@ def _pair_sums(context, builder, lo, high, xp_ptrs):
     return sums
 
 
+NEON_SUM_REGS = 16   # of Arm's 32 vector registers, those a pass's sums may take
+NEON_TOKENS = 4      # tokens per pass at most: more would leave too few registers for the rest
+
+
+def _neon_sums(context, builder, lo, high, xp_ptrs):
+    """IR: _pair_sums's sums (the same integers: int32 sums are exact in any order), in the form
+    that lowers to Arm's widening multiply-accumulates smlal and smlal2 (four int16 products
+    added to four int32 sums, from the low or the high halves of two 128-bit registers), where
+    x86 multiplies and adds pairs. A word's two 16-bit codes (an even input's and an odd one's)
+    go into sums of their own, times the same side of the input pair's int16 activations, and
+    each output's two sums are added once, after the block's rows (addp).
+
+    smlal2 takes the high halves of both registers: the activations' high half must differ from
+    their low half, or LLVM takes it for the low half and moves the codes' high half down (ext)
+    for an smlal. So each 128-bit vector of 4 outputs holds pair m for its first two outputs
+    (side 0) and pair m + 1 for the other two (side 1), with activations [x_m, x_m, x_m+1,
+    x_m+1], and a second vector the other way round; the codes are shifted into place lane by
+    lane (ushl by a vector).
+
+    An output holds two int32 sums, so 4 outputs take 2 registers a token. The tokens go
+    NEON_TOKENS at a time and the tile's LANES outputs in passes, so that a pass's sums fit in
+    NEON_SUM_REGS registers (16 outputs for 1 or 2 tokens, 8 for 3 or 4) beside the codes, the
+    activations and the shifts (x86 keeps 16 outputs in one register: LANES); the 5-, 6- and
+    8-bit codes' high plane has shifts and masks of its own, and their passes half as many
+    sums. A later pass reads the block's rows (64 bytes each) from L1; only the first asks for
+    memory ahead."""
+    sums = []
+    for t in range(0, len(xp_ptrs), NEON_TOKENS):
+        sums += _neon_group(context, builder, lo, high, xp_ptrs[t:t + NEON_TOKENS])
+    return sums
+
+
+def _neon_group(context, builder, lo, high, xp_ptrs):
+    """_neon_sums for at most NEON_TOKENS tokens."""
+    intp = context.get_value_type(types.intp)
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    # the high plane's shifts and masks take registers of their own: half as many for sums
+    budget = NEON_SUM_REGS if high is None else NEON_SUM_REGS // 2
+    width = next(n for n in (LANES, 8, 4) if len(xp_ptrs) * n // 2 <= budget)
+    vec = ir.VectorType(i32, width)
+    wide = ir.VectorType(i32, 2 * width)              # each output's even and odd sums
+    halves = ir.VectorType(i16, 2 * width)
+    side = [(j // 2) % 2 for j in range(width)]
+
+    def const(v):
+        return ir.Constant(intp, v)
+
+    def lanes(values):
+        return ir.Constant(vec, list(values))
+
+    def shifted(words, shifts):    # words >> shifts[j] in lane j (<< -shifts[j] where negative)
+        if any(s > 0 for s in shifts):
+            words = builder.lshr(words, lanes(max(s, 0) for s in shifts))
+        if any(s < 0 for s in shifts):
+            words = builder.shl(words, lanes(max(-s, 0) for s in shifts))
+        return words
+
+    def widened(v):                # int32 lanes as their two int16 halves, each sign-extended
+        return builder.sext(builder.bitcast(v, halves), wide)
+
+    w_ptr, r0, r1 = lo
+    mask = lanes([0xF * 0x10001] * width)
+    per = 1 if high is None else 4 // high[2]       # low rows per row of the high plane
+    passes = []
+    for p in range(LANES // width):
+        def row(base, r, at=p * width):    # the pass's words of row r (the first pass asks ahead)
+            ptr = builder.gep(base, [builder.add(builder.mul(r, const(LANES)), const(at))])
+            if at == 0:
+                _prefetch(builder, builder.gep(builder.bitcast(ptr, i8.as_pointer()),
+                                               [const(PREFETCH_BYTES)]))
+            return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(wide, None)) for _ in xp_ptrs]
+        for acc in accs:
+            builder.store(ir.Constant(wide, None), acc)
+        with cgutils.for_range(builder, builder.udiv(builder.sub(r1, r0), const(per))) as loop:
+            if high is not None:
+                h_ptr, h0, b = high
+                high_words = row(h_ptr, builder.add(h0, loop.index))
+                high_mask = lanes([(((1 << b) - 1) << 4) * 0x10001] * width)
+            for q in range(per):
+                r = builder.add(r0, builder.add(builder.mul(loop.index, const(per)), const(q)))
+                words = row(w_ptr, r)
+                # each token's four activation pairs of the row
+                quads = [builder.load(builder.bitcast(
+                    builder.gep(xp_ptr, [builder.mul(r, const(4))]),
+                    ir.VectorType(i32, 4).as_pointer()), align=4) for xp_ptr in xp_ptrs]
+                for m in (0, 2):
+                    for flip in (0, 1):
+                        picks = [m + (s ^ flip) for s in side]     # each lane's pair
+                        codes = builder.and_(shifted(words, [4 * t for t in picks]), mask)
+                        if high is not None:     # the high bits, to bits 4.. of each half
+                            codes = builder.or_(codes, builder.and_(shifted(
+                                high_words, [b * (4 * q + t) - 4 for t in picks]), high_mask))
+                        codes = widened(codes)
+                        for quad, acc in zip(quads, accs):
+                            x = widened(builder.shuffle_vector(quad, quad, lanes(picks)))
+                            builder.store(builder.add(builder.load(acc), builder.mul(codes, x)),
+                                          acc)
+        # each output's even and odd sums added (addp)
+        even, odd = lanes(range(0, 2 * width, 2)), lanes(range(1, 2 * width, 2))
+        passes.append([builder.add(builder.shuffle_vector(a, a, even),
+                                   builder.shuffle_vector(a, a, odd))
+                       for a in (builder.load(acc) for acc in accs)])
+    sums = []
+    for parts in zip(*passes):     # each token's passes, joined into one LANES vector
+        parts = list(parts)
+        while len(parts) > 1:
+            n = 2 * parts[0].type.count
+            parts = [builder.shuffle_vector(parts[i], parts[i + 1],
+                                            ir.Constant(ir.VectorType(i32, n), list(range(n))))
+                     for i in range(0, len(parts), 2)]
+        sums.append(parts[0])
+    return sums
+
+
 def _int8_vector(builder, ptr):
     """IR: the LANES int8 at ptr as a float32 vector."""
     v = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(8), LANES).as_pointer()),
@@ -142,22 +273,24 @@ def _int8_vector(builder, ptr):
     return builder.sitofp(v, ir.VectorType(ir.FloatType(), LANES))
 
 
-def _tile_dot(bits: int, tokens: int = 1):
+def make_tile_dot(bits: int, tokens: int = 1, form: str | None = None):
     """The intrinsic tile_dot{bits}(w, k, xp, sx, xsum, t, out) for a layer w (kernels.cpu
     QLinear) of `bits`-bit codes and `tokens` tokens t .. t+tokens-1: out[i, j] (float32
     [tokens, LANES], contiguous; [LANES] for one token) = output LANES k + j of the layer for
     token t + i, the sum over activation blocks b (in quantization group gi) of
         s[gi, j] * sx[t, b] * (integer dot of the block's codes and x_q)  +  m[gi, j] * xsum[t, b]
-    xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs). The integer dot is
-    pairwise multiply-adds of 16-bit codes and activations, 32 per instruction (x86 pmaddwd or
-    vpdpwssd): the 4-bit plane of the codes' low bits joined with the plane of their high
-    bits-4 bits into one 16-bit code first (_pair_sums). A group's s and m are computed from the
+    xp int32 [T, in/2], sx and xsum float32 [T, blocks] (quantize_pairs). The integer dot
+    multiplies 16-bit codes by int16 activations, in the `form` given (default GEMV_FORM, this
+    CPU's): "pairs" (_pair_sums: x86's vpdpwssd or pmaddwd) or "neon" (_neon_sums: Arm's smlal,
+    smlal2), the 4-bit plane of the codes' low bits joined with the plane of their high bits-4
+    bits into one 16-bit code first. A group's s and m are computed from the
     tile's scale and offset arrays as kernels.quant defines them (a float times an optional
     int8; no offset array: m = -zero s), the arrays a layer lacks being empty (branches that
     go the same way for a whole layer). The LANES outputs stay in a register from the first
     block to the last. A token's outputs are the same sums in the same order whatever
     `tokens` (codes taken apart once serve them all: a prompt's GEMM)."""
     high = bits - 4
+    sums = _neon_sums if (form or GEMV_FORM) == "neon" else _pair_sums
 
     @intrinsic
     def tile_dot(typingctx, w, k, xp, sx, xsum, t, out):
@@ -226,9 +359,8 @@ def _tile_dot(bits: int, tokens: int = 1):
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
                 r0 = builder.mul(b, lo_rows)
-                dots = _pair_sums(context, builder, (lo_ptr, r0, builder.add(r0, lo_rows)),
-                                  (hi_ptr, builder.mul(b, hi_rows), high) if high else None,
-                                  xp_ptrs)
+                dots = sums(context, builder, (lo_ptr, r0, builder.add(r0, lo_rows)),
+                            (hi_ptr, builder.mul(b, hi_rows), high) if high else None, xp_ptrs)
                 gi, si, mi = (builder.load(at[name]) for name in ("gi", "si", "mi"))
                 builder.store(_vector_at(builder, pointer("s", kv, si, const(0)), const(0),
                                          _is_half(field["s"][1])), s_acc)
@@ -270,24 +402,24 @@ def _tile_dot(bits: int, tokens: int = 1):
     return tile_dot
 
 
-tile_dot4 = _tile_dot(4)
-tile_dot5 = _tile_dot(5)
-tile_dot6 = _tile_dot(6)
-tile_dot8 = _tile_dot(8)
+tile_dot4 = make_tile_dot(4)
+tile_dot5 = make_tile_dot(5)
+tile_dot6 = make_tile_dot(6)
+tile_dot8 = make_tile_dot(8)
 FEW_TOKENS = 4      # tokens per tile_dot of a draft's verification: the codes taken apart once
-pair_dot4 = _tile_dot(4, 2)     # two tokens (a verification's last two, or a draft of one)
-pair_dot5 = _tile_dot(5, 2)
-pair_dot6 = _tile_dot(6, 2)
-pair_dot8 = _tile_dot(8, 2)
-few_dot4 = _tile_dot(4, FEW_TOKENS)
-few_dot5 = _tile_dot(5, FEW_TOKENS)
-few_dot6 = _tile_dot(6, FEW_TOKENS)
-few_dot8 = _tile_dot(8, FEW_TOKENS)
+pair_dot4 = make_tile_dot(4, 2)     # two tokens (a verification's last two, or a draft of one)
+pair_dot5 = make_tile_dot(5, 2)
+pair_dot6 = make_tile_dot(6, 2)
+pair_dot8 = make_tile_dot(8, 2)
+few_dot4 = make_tile_dot(4, FEW_TOKENS)
+few_dot5 = make_tile_dot(5, FEW_TOKENS)
+few_dot6 = make_tile_dot(6, FEW_TOKENS)
+few_dot8 = make_tile_dot(8, FEW_TOKENS)
 GEMM_TOKENS = 8     # tokens per tile_dot of a prompt: their sums and outputs fill the registers
-gemm_dot4 = _tile_dot(4, GEMM_TOKENS)
-gemm_dot5 = _tile_dot(5, GEMM_TOKENS)
-gemm_dot6 = _tile_dot(6, GEMM_TOKENS)
-gemm_dot8 = _tile_dot(8, GEMM_TOKENS)
+gemm_dot4 = make_tile_dot(4, GEMM_TOKENS)
+gemm_dot5 = make_tile_dot(5, GEMM_TOKENS)
+gemm_dot6 = make_tile_dot(6, GEMM_TOKENS)
+gemm_dot8 = make_tile_dot(8, GEMM_TOKENS)
 
 
 def _rows_dot(R: int, U: int = 1):
