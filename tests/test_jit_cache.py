@@ -57,9 +57,9 @@ print(attention.attention_decode(q[:, None].reshape(1, 1, 16), k, k, np.zeros(1,
 """
 
 
-def test_a_change_in_the_intrinsics_file_compiles_again(tmp_path):
-    """A kernel of cpu/attention.py compiles in cpu/simd.py's intrinsics: after a change to it alone (an
-    upgrade), the cached machine code is stale and must not be loaded."""
+def copied_kernels(tmp_path):
+    """A copy of tinyrt's kernels/ under tmp_path with a cache of its own, and a function that
+    runs SIMD_SCRIPT on it and returns Numba's cache lines for attention_decode."""
     import shutil
 
     from tinyrt import kernels
@@ -76,9 +76,16 @@ def test_a_change_in_the_intrinsics_file_compiles_again(tmp_path):
         assert r.returncode == 0, r.stderr
         return [line for line in r.stdout.splitlines() if "attention_decode" in line]
 
+    return pkg / "kernels", attention_cache
+
+
+def test_a_change_in_the_intrinsics_file_compiles_again(tmp_path):
+    """A kernel of cpu/attention.py compiles in cpu/simd.py's intrinsics: after a change to it alone (an
+    upgrade), the cached machine code is stale and must not be loaded."""
+    kernels, attention_cache = copied_kernels(tmp_path)
     assert any("data saved" in line for line in attention_cache())
     assert any("data loaded" in line for line in attention_cache())     # the cache works
-    simd = pkg / "kernels" / "cpu" / "simd.py"
+    simd = kernels / "cpu" / "simd.py"
     simd.write_text(simd.read_text() + "\n# changed\n")
     again = attention_cache()
     assert any("data saved" in line for line in again)
@@ -89,25 +96,10 @@ def test_the_same_sources_written_anew_keep_their_compiled_kernels(tmp_path):
     """A reinstall (adding an extra) writes every file anew, the same contents with new
     timestamps: the cached machine code is still the kernels', and must be loaded, not rebuilt
     (the stamp is the folder's contents)."""
-    import shutil
-
-    from tinyrt import kernels
-
-    pkg = tmp_path / "pkg"
-    shutil.copytree(Path(kernels.__file__).parent, pkg / "kernels",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), NUMBA_DEBUG_CACHE="1",
-               PYTHONPATH=str(pkg))
-
-    def attention_cache():
-        r = subprocess.run([sys.executable, "-c", SIMD_SCRIPT], env=env, capture_output=True,
-                           text=True, timeout=300, cwd=tmp_path)
-        assert r.returncode == 0, r.stderr
-        return [line for line in r.stdout.splitlines() if "attention_decode" in line]
-
+    kernels, attention_cache = copied_kernels(tmp_path)
     assert any("data saved" in line for line in attention_cache())
     later = 2_000_000_000                      # (a time well after any file's own)
-    for f in (pkg / "kernels").rglob("*.py"):
+    for f in kernels.rglob("*.py"):
         f.write_bytes(f.read_bytes())
         os.utime(f, (later, later))
     again = attention_cache()
