@@ -203,16 +203,16 @@ def _params(llm, **options):
     return llm.generation([5], **options).sampler.params
 
 
-def test_default_sampling_is_the_model_s_else_llama_cpp_s(tiny_llm, tmp_path):
-    """Without a generation_config.json: llama.cpp's sampling and ollama's repeat penalty;
-    temperature 0 is plain greedy. The model's settings come first, the caller's over them."""
+def test_default_sampling_is_the_model_s_else_tinyrt_s(tiny_llm, tmp_path):
+    """Without a generation_config.json: tinyrt's temperature 0.2 and top-p 0.9, llama.cpp's
+    top-k and min-p and ollama's repeat penalty; temperature 0 is plain greedy. The model's settings come first, the caller's over them."""
     import json
     import shutil
 
     import tinyrt
 
     p = _params(tiny_llm)
-    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty) == (0.8, 40, 0.95, 0.05, 1.1)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty) == (0.2, 40, 0.9, 0.05, 1.1)
     assert _params(tiny_llm, temperature=0).repeat_penalty == 1.0
     assert _params(tiny_llm, temp=0.5).temperature == 0.5
     d = tmp_path / "m"
@@ -221,7 +221,7 @@ def test_default_sampling_is_the_model_s_else_llama_cpp_s(tiny_llm, tmp_path):
                                                           "repetition_penalty": 1.05}))
     llm = tinyrt.LLM(d, kv_size=64)
     p = _params(llm)
-    assert (p.temperature, p.top_k, p.top_p, p.repeat_penalty) == (0.6, 20, 0.95, 1.05)
+    assert (p.temperature, p.top_k, p.top_p, p.repeat_penalty) == (0.6, 20, 0.9, 1.05)
     assert _params(llm, temperature=0).repeat_penalty == 1.05     # (the model asks for it)
     (d / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     p = _params(tinyrt.LLM(d, kv_size=64))
