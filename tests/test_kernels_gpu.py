@@ -9,7 +9,7 @@ from numba import cuda
 
 from helpers import quant_store, random_quant, random_weights, rel_err, seeded_rng, tiny_config
 from tinyrt.kernels import kv_quant, quant
-from tinyrt.kernels.cuda import CudaBackend, backend, kernels, kv, launchers, primitives
+from tinyrt.kernels.cuda import CudaBackend, backend, gemv, kernels, kv, launchers, primitives
 from tinyrt.kernels.cuda import step as device_step
 from tinyrt.kernels import reference as ref
 
@@ -25,30 +25,35 @@ def run(launch, *arrays):
     return [d.copy_to_host() if isinstance(a, np.ndarray) else d for a, d in zip(arrays, dev)]
 
 
-def unpack_words(words, bits, n_in, lanes):
-    """The codes [out, n_in] of GEMV words in kernels.repack's layout, read as its docstring says:
-    input i in word i % (lanes per) % lanes of tile i // (lanes per), at bit bits (i % (lanes
-    per) // lanes)."""
-    words = np.asarray(words).view(np.uint32)
-    per = 32 // bits
+def unpack_words(codes, bits, n_in, lanes):
+    """The codes [out, n_in] of a flat int64 array in gemv.repack's layout, read as its docstring
+    says: rows of gemv.width int64s, input i at bits [bits (i % per), bits (i % per + 1)) of
+    int64 i // per (per = 64 // bits)."""
+    per = 64 // bits
+    rows = np.asarray(codes).view(np.uint64).reshape(-1, gemv.width(bits, n_in, lanes))
     i = np.arange(n_in)
-    j, k = i // (lanes * per), i % (lanes * per)
-    codes = (words[:, j * lanes + k % lanes] >> (bits * (k // lanes))) & (2 ** bits - 1)
-    return codes.astype(np.uint8)
+    q = (rows[:, i // per] >> (bits * (i % per)).astype(np.uint64)) & np.uint64(2 ** bits - 1)
+    return q.astype(np.uint8)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n_in, lanes", [(64, 4), (80, 4), (576, 32), (512, 32), (34, 32)])
-def test_repack_round_trip(bits, n_in, lanes):
-    """kernels.repack's words hold every code where its docstring says, whole tiles of them
-    (padding: code 0)."""
-    w = random_quant(3, n_in, bits, 2, True, rng)
-    words = kernels.repack(w.codes, bits, n_in, lanes)
-    tile = lanes * 32 // bits
-    assert words.dtype == np.int32 and words.shape == (3, -(-n_in // tile) * lanes)
-    assert np.array_equal(unpack_words(words, bits, n_in, lanes), quant.unpack(w))
+@pytest.mark.parametrize("n_in, lanes, g", [(64, 4, 32), (80, 4, 16), (576, 32, 64), (512, 32, 128),
+                                            (34, 32, 17)])
+def test_repack_round_trip(bits, n_in, lanes, g):
+    """gemv.repack's arrays hold every code where its docstring says, in whole tiles (padding:
+    code 0), and each row's scales and offsets, padded with zeros to the tiles' groups."""
+    w = random_quant(3, n_in, bits, g, True, rng)
+    codes, scale, offset = gemv.repack(quant.flat(w, bits), lanes)
+    tile = lanes * 64 // bits
+    assert codes.dtype == np.int64 and codes.shape == (3 * -(-n_in // tile) * lanes,)
+    assert np.array_equal(unpack_words(codes, bits, n_in, lanes), quant.unpack(w))
     padded = -(-n_in // tile) * tile
-    assert not unpack_words(words, bits, padded, lanes)[:, n_in:].any()
+    assert not unpack_words(codes, bits, padded, lanes)[:, n_in:].any()
+    s, m = quant.scales(w)
+    groups = -(-padded // g)
+    for got, want in ((scale, s), (offset, m)):
+        got = got.reshape(3, groups)
+        assert np.array_equal(got[:, :n_in // g], want) and not got[:, n_in // g:].any()
 
 
 def check_q_gemv(w, be, arrays):
@@ -191,7 +196,7 @@ def test_attention_in_splits_and_batches(monkeypatch):
 def gpu_shapes(monkeypatch):
     """The launch shapes a GPU gets: warps of 32 lanes, 8 rows and 128 threads a block (the
     simulator's own are smaller, for its speed; the kernels are written for both)."""
-    for module in (primitives, kernels, kv, launchers, backend, device_step):
+    for module in (primitives, kernels, gemv, kv, launchers, backend, device_step):
         for name, value in (("LANES", 32), ("ROWS", 8), ("THREADS", 128)):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, value)
@@ -380,21 +385,23 @@ for name, sig in sigs.items():
 
 
 def test_q_gemv_compiles_for_the_gpu():
-    """The GEMV's hardware branches, which the simulator does not run, compiled to PTX for a
-    Hopper GPU: the lanes' sums by warp shuffles (no barrier), the split-K's atomic add, and no
-    int-to-float conversion of a code (see _as_float); q_dequantize compiles too. Where no CUDA
-    compiler (NVVM) is installed, nothing to check."""
+    """The GEMVs' hardware branches, which the simulator does not run, compiled to PTX for a
+    Hopper GPU: the lanes' sums by warp shuffles, the barriers of x's staging, the split-K's
+    atomic add, and no int-to-float conversion of a code (see gemv._chunk_dot); q_dequantize
+    compiles too. Where no CUDA compiler (NVVM) is installed, nothing to check."""
     out = _compile_for_the_gpu(r"""
-from tinyrt.kernels.cuda import kernels
-for f in (t.float16, t.float32):
-    ptx, _ = cuda.compile_ptx(kernels.q_gemv.py_func, (a(t.float32, 1), a(t.int32, 2), a(f, 2), a(f, 2),
-                              t.int64, t.int64, t.int64, a(t.float32, 1)), cc=(9, 0))
-    ops = ('shfl.sync', 'bar.sync', 'atom.global.add.f32', 'cvt.rn.f32.s')
-    print(*(int(op in ptx) for op in ops))
-    cuda.compile_ptx(kernels.q_dequantize.py_func, (a(t.int32, 2), a(f, 2), a(f, 2), t.int64, t.int64,
-                     t.int64, a(t.float32, 2)), cc=(9, 0))
+from tinyrt.kernels.cuda import gemv
+for kernel in (gemv.q4_gemv, gemv.q8_gemv):
+    for f in (t.float16, t.float32):
+        ptx, _ = cuda.compile_ptx(kernel.py_func, (a(t.float32, 1), a(t.int64, 1), a(t.int64, 1),
+                                  a(f, 1), a(f, 1), t.int64, t.int64, t.int64, a(t.float32, 1)),
+                                  cc=(9, 0))
+        ops = ('shfl.sync', 'bar.sync', 'atom.global.add.f32', 'cvt.rn.f32.s')
+        print(*(int(op in ptx) for op in ops))
+        cuda.compile_ptx(gemv.q_dequantize.py_func, (a(t.int64, 1), a(f, 1), a(f, 1), t.int64,
+                         t.int64, t.int64, a(t.float32, 2)), cc=(9, 0))
 """)
-    assert out.split() == ["1", "0", "1", "0"] * 2, out
+    assert out.split() == ["1", "1", "1", "0"] * 4, out
 
 
 @pytest.mark.parametrize("policy, kind, family", [
@@ -559,7 +566,7 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
     for chunk in ([1, 2, 3, 4, 5], [6]):
         model.forward(chunk, cache)
     names = {json.loads(s)[1] for s in seen}
-    assert {"q_gemv", "q_dequantize", "attention_split", "begin", "take_slot", "take_slot_h2o",
+    assert {"q4_gemv", "q_dequantize", "attention_split", "begin", "take_slot", "take_slot_h2o",
             "rotate_sinks", "store_kv_q", "attention_decode_q"} <= names, names
     (tmp_path / "launches.json").write_text(json.dumps(sorted(seen)))
     out = _compile_for_the_gpu(r"""

@@ -8,7 +8,7 @@ import numpy as np
 from numba import cuda
 
 from .. import kv_quant, quant, reference
-from .kernels import GpuQuant, repack
+from .gemv import GpuQuant, repack
 from .launchers import (launch_attention, launch_attention_decode_q, launch_dequantize_kv,
                         launch_gemv, launch_q_dequantize, launch_q_gemv, launch_rmsnorm,
                         launch_rope, launch_silu_mul, launch_store_kv, launch_store_kv_q)
@@ -76,10 +76,10 @@ class CudaBackend(reference.ReferenceBackend):
             # one float scale and offset per group, 4- or 8-bit codes: the kernels' one layout
             w = quant.concat(parts)
             w = quant.flat(w, 4 if w.bits == 4 else 8)
-            n_in = w.shape[1]
-            return GpuQuant(self.dev(repack(w.codes, w.bits, n_in, LANES), np.int32),
-                            self.dev(w.scale, w.scale.dtype), self.dev(w.offset, w.offset.dtype),
-                            w.bits, n_in, LANES)
+            codes, scale, offset = repack(w, LANES)
+            return GpuQuant(self.dev(codes, np.int64), self.dev(scale, scale.dtype),
+                            self.dev(offset, offset.dtype), w.bits, w.shape[1], LANES,
+                            w.group_size)
         return self.dev(super().prepare_linear(parts), np.float16)
 
     def prepare_head(self, table: np.ndarray, quantized: bool = False):

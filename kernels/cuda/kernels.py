@@ -1,20 +1,17 @@
 """Numba CUDA kernels for the decoder's per-token path (one token at batch 1, memory-bound):
-the quantized and float GEMVs, RMSNorm, RoPE, SiLU-mul, the float cache's store and
-flash-decoding attention over it.
+the float GEMV (the quantized one is gemv.py's), RMSNorm, RoPE, SiLU-mul, the float cache's
+store and flash-decoding attention over it.
 
-Each kernel computes what its NumPy reference (kernels.reference, quant) computes, and is tested
-against it in Numba's CUDA simulator. Activations are float32; quantized weights are read in the
-runtime's one form (kernels.quant), their codes as int32 words along each output row (`repack`),
-never dequantized to memory for a token. Grids and blocks are the launchers' business.
+Each kernel computes what its NumPy reference (kernels.reference) computes, and is tested
+against it in Numba's CUDA simulator. Activations are float32. Grids and blocks are the
+launchers' business.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
-import numpy as np
-from numba import cuda, float32, int32, uint64
+from numba import cuda, float32
 
 from .primitives import LANES, ROWS, SIM, THREADS, block_reduce, clip, greater, lesser, visible
 
@@ -43,83 +40,6 @@ else:
             v += cuda.shfl_down_sync(0xFFFFFFFF, v, offset)
             offset //= 2
         return v
-
-
-# A code q (< 2**23) as the low bits of the float 2**23's mantissa is the float 2**23 + q:
-# minus 2**23, q exactly. An integer OR and a float subtract, instead of an int-to-float
-# conversion, which runs at 1/8 of the float multiply-add's rate on the GPU (the CUDA guide's
-# throughput table): too slow to convert 4-bit codes as fast as memory delivers them.
-_TWO23 = float32(2 ** 23)
-_TWO23_BITS = 0x4B000000
-if SIM:
-    @cuda.jit(device=True)
-    def _as_float(i):
-        return np.int32(i).view(np.float32)
-else:
-    from numba.cuda import libdevice
-
-    _as_float = libdevice.int_as_float
-
-
-@cuda.jit(device=True, inline=True)
-def _row_dot(x, codes, scale, offset, o, lane, first, last, n_in, g, bits):
-    """Lane `lane`'s part of output o of q_gemv over tiles [first, last). Inlined where `bits`
-    is a constant: shifts by constants (32-bit) and a loop over a word's codes unrolled."""
-    per = 32 // bits
-    mask = (1 << bits) - 1
-    acc = float32(0)
-    dot = float32(0)
-    xsum = float32(0)
-    i = first * LANES * per + lane
-    if i >= n_in:                   # a lane of padding only (in the last tile)
-        return acc
-    gi = i // g                     # the group being summed, and the input it ends before
-    end = (gi + 1) * g
-    for j in range(first, last):
-        w = codes[o, j * LANES + lane]
-        i = j * LANES * per + lane
-        for t in range(per):
-            if i >= end:            # a new group (at the same t in every lane where LANES | g),
-                if i >= n_in:       # or past n_in (g divides n_in): padding to the tile's end
-                    break
-                acc += float32(scale[o, gi]) * dot + float32(offset[o, gi]) * xsum
-                dot = float32(0)
-                xsum = float32(0)
-                gi = i // g
-                end = (gi + 1) * g
-            xi = x[uint64(i)]       # (unsigned: no wraparound of a negative index to compute)
-            dot += xi * (_as_float(int32(int32(w >> (bits * t)) & mask | _TWO23_BITS)) - _TWO23)
-            xsum += xi
-            i += LANES
-    return acc + float32(scale[o, gi]) * dot + float32(offset[o, gi]) * xsum
-
-
-@cuda.jit(cache=True)
-def q_gemv(x, codes, scale, offset, bits, n_in, g, y):
-    """y [out] = x [n_in] @ W.T for a GpuQuant of 4- or 8-bit codes: codes in `repack`'s layout,
-    scale and offset [out, n_in/g] (float16 or float32). Block (LANES, ROWS): a warp per output
-    row, lane `lane` reading word `lane` of each tile, its inputs lane + LANES t. Per group each
-    lane sums x q and x (dot, xsum) and adds s * dot + m * xsum when the group changes. Grid
-    (row blocks, splits): split k sums the k-th share of the tiles (split-K); with 2 it adds
-    into y, zeroed by the launcher."""
-    lane, r = cuda.threadIdx.x, cuda.threadIdx.y
-    o = cuda.blockIdx.x * ROWS + r
-    tiles = codes.shape[1] // LANES
-    share = (tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
-    first = cuda.blockIdx.y * share
-    last = lesser(first + share, tiles)
-    acc = float32(0)
-    if o < codes.shape[0]:          # (no return: every thread must reach _warp_sum)
-        if bits == 4:
-            acc = _row_dot(x, codes, scale, offset, o, lane, first, last, n_in, g, 4)
-        else:
-            acc = _row_dot(x, codes, scale, offset, o, lane, first, last, n_in, g, 8)
-    total = _warp_sum(acc, lane, r)
-    if lane == 0 and o < codes.shape[0]:
-        if cuda.gridDim.y == 1:
-            y[o] = total
-        else:               # two addends into 0: the same float sum in either order
-            cuda.atomic.add(y, o, total)
 
 
 @cuda.jit(cache=True)
@@ -310,63 +230,3 @@ def attention_scores(probs, stats, score):
                 if e != -math.inf:
                     acc += math.exp(e - stats[t, h, 0]) / stats[t, h, 1]
         score[g, s] += acc
-
-
-@cuda.jit(cache=True)
-def q_dequantize(codes, scale, offset, bits, n_in, g, dst):
-    """dst [n_in, out] (float16 or float32) = W.T of a GpuQuant (as q_gemv reads it), for a
-    prompt's matmul; one
-    thread per word: its 32 / bits inputs of one output, neighbouring threads at neighbouring
-    outputs (their writes to a row of dst coalesce)."""
-    n = cuda.grid(1)
-    rows, words = codes.shape
-    per = 32 // bits
-    if n < rows * words:
-        o, c = n % rows, n // rows
-        w = codes[o, c]
-        i = c // LANES * LANES * per + c % LANES
-        for t in range(per):
-            if i < n_in:
-                q = float32((w >> (bits * t)) & ((1 << bits) - 1))
-                dst[i, o] = q * float32(scale[o, i // g]) + float32(offset[o, i // g])
-            i += LANES
-
-
-def repack(codes: np.ndarray, bits: int, n_in: int, lanes: int) -> np.ndarray:
-    """kernels.quant's codes of a layer (uint8 [out, n_in/2] for 4 bits, input 2j in the low
-    nibble of byte j; [out, n_in] for 8) -> the GEMV's layout, int32 [out, tiles * lanes]:
-    per = 32 // bits codes a word, a tile is `lanes` words (lanes * per inputs), tiles =
-    ceil(n_in / (lanes * per)). Word `lane` of row o's tile j holds the inputs
-    j*lanes*per + lane + lanes*t, t in range(per), at bits [bits*t, bits*(t+1)) (t = 0 lowest);
-    inputs past n_in are code 0. So at each t a warp's lanes read `lanes` consecutive floats of
-    x, and at each tile `lanes` consecutive words of the row: both loads coalesce."""
-    per = 32 // bits
-    tiles = -(-n_in // (lanes * per))
-    q = np.zeros((codes.shape[0], tiles * lanes * per), np.uint32)
-    if bits == 4:
-        q[:, 0:n_in:2], q[:, 1:n_in:2] = codes & 15, codes >> 4
-    else:
-        q[:, :n_in] = codes
-    q = q.reshape(-1, tiles, per, lanes) << (bits * np.arange(per, dtype=np.uint32))[:, None]
-    return np.bitwise_or.reduce(q, axis=2).reshape(-1, tiles * lanes).view(np.int32)
-
-
-class GpuQuant(NamedTuple):
-    """A quantized layer on the GPU (the projections that share an input side by side, along
-    the output): kernels.quant's one form, 4- or 8-bit codes in `repack`'s layout."""
-
-    codes: object        # int32 [out, tiles * lanes] (repack; bench counts its padding too:
-                         # a tile's loads read it)
-    scale: object        # float16 | float32 [out, n_in/g]
-    offset: object       # as scale
-    bits: int            # 4 or 8
-    n_in: int            # inputs (the tiles may pad them)
-    lanes: int           # words of a tile: the LANES the kernels launch with
-
-    @property
-    def group(self) -> int:
-        return self.n_in // self.scale.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.n_in

@@ -8,8 +8,9 @@ import numpy as np
 from numba import cuda
 
 from .. import kv_quant
+from .gemv import ROWS_PER_WARP, group_shift, q4_gemv, q8_gemv, q_dequantize, width
 from .kernels import (attention_chunk, attention_combine, attention_scores, attention_split, gemv,
-                      q_dequantize, q_gemv, rmsnorm, rope, silu_mul, store_kv)
+                      rmsnorm, rope, silu_mul, store_kv)
 from .kv import MAX_CODES, attention_decode_q, dequantize_kv, store_kv_q
 from .primitives import HALF_MAX, LANES, ROWS, SIM, THREADS
 
@@ -57,18 +58,29 @@ def _lanes(w) -> None:
         raise ValueError(f"codes tiled for {w.lanes} lanes, kernels launched with {LANES}")
 
 
+def _pairs(x):
+    """x [n]'s int64 view, its inputs in pairs for 8-byte loads (an odd n's last input left
+    out; a copy where x starts at an odd float, which no 8-byte load can)."""
+    n = x.shape[0] - x.shape[0] % 2
+    if isinstance(x, np.ndarray):
+        return x[:n].view(np.int64)
+    import torch
+
+    return (x if x.storage_offset() % 2 == 0 else x.clone())[:n].view(torch.int64)
+
+
 def launch_q_gemv(x, w, y) -> None:
     """y [out] = x [in] @ W.T for a GpuQuant w; y a torch tensor or a NumPy array."""
     _lanes(w)
-    rows = blocks(w.shape[0], ROWS)
-    splits = 2 if rows < SPLIT_BELOW and w.codes.shape[1] >= 2 * LANES else 1
+    rows = blocks(w.shape[0], ROWS_PER_WARP * ROWS)
+    splits = 2 if rows < SPLIT_BELOW and width(w.bits, w.n_in, LANES) >= 2 * LANES else 1
     if splits == 2:
         # the halves are added into y atomically: 0 + a + b is the same float in either order,
         # so y is deterministic (with more splits it would not be). Torch zeroes it on its
         # current stream, before the kernel there.
         y[...] = 0
-    launch(q_gemv, (rows, splits), (LANES, ROWS), x, w.codes, w.scale, w.offset, w.bits,
-            w.n_in, w.group, y)
+    launch(q4_gemv if w.bits == 4 else q8_gemv, (rows, splits), (LANES, ROWS), x, _pairs(x),
+           w.codes, w.scale, w.offset, w.n_in, w.group, group_shift(w.bits, w.group), y)
 
 
 def launch_gemv(x, w, y) -> None:
@@ -138,5 +150,5 @@ def launch_attention_decode_q(q, store: kv_quant.QuantKV, q_pos: int, k_pos, sca
 
 def launch_q_dequantize(w, dst) -> None:
     _lanes(w)
-    launch(q_dequantize, blocks(_size(w.codes), THREADS), THREADS, w.codes, w.scale, w.offset,
-            w.bits, w.n_in, w.group, dst)
+    launch(q_dequantize, blocks(w.codes.shape[0], THREADS), THREADS, w.codes, w.scale, w.offset,
+           w.bits, w.n_in, w.group, dst)
