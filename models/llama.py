@@ -318,14 +318,25 @@ class LlamaModel:
                 made[id(f)] = self.backend.rope_tables(f, pos)
         return [made[id(f)] for f in freqs]
 
-    def decode_layers(self, x, cos, sin, attends: list[Attend]):
-        """Embedded tokens x [T, H] through every layer (layer i attending with attends[i]) and
-        the final norm -> [T, H]: the step tinyrt.device_decode runs on the device, its cache
-        bookkeeping its own (for a model whose layers share one set of RoPE frequencies)."""
-        cfg, be = self.config, self.backend
+    def decode_layers(self, x, attends: list):
+        """An embedded token x [1, H] through every layer and the final norm -> [1, H]: the
+        step tinyrt.device_decode runs on the CUDA backend, its cache bookkeeping its own.
+        `layer`'s math in fewer launches: each residual add fused with the norm after it
+        (add_rmsnorm: x updated in place, the MLP's output added in the next layer's first
+        norm), and attends[i](qkv, L) layer i's attention from its q|k|v projection's output,
+        bias, q/k norms, RoPE and the store into the cache included (rope_store)."""
+        cfg, be, eps = self.config, self.backend, self.config.rms_norm_eps
+        d = None                   # the residual that the last block left to add into x
         for L, attend in zip(self.layers, attends):
-            x = self.layer(be, cfg, L, x, cos, sin, attend)
-        return be.rmsnorm(x, self.norm, cfg.rms_norm_eps)
+            h = be.add_rmsnorm(x, d, L.input_norm, eps)
+            a = be.linear(attend(be.linear(h, L.qkv), L).reshape(1, -1), L.o)
+            if L.attn_out_norm is not None:
+                a = be.rmsnorm(a, L.attn_out_norm, eps)
+            h = be.add_rmsnorm(x, a, L.post_norm, eps)
+            d = self.mlp(be, cfg, L, h)
+            if L.mlp_out_norm is not None:
+                d = be.rmsnorm(d, L.mlp_out_norm, eps)
+        return be.add_rmsnorm(x, d, self.norm, eps)
 
     def _attend(self, kv, pos, window: int | None) -> Attend:
         """Attention over the cache layer `kv`, the new tokens (at positions `pos`) stored first."""

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.usefixtures("quick_barriers")
 
 @pytest.mark.parametrize("policy, size", [("dense", 12), ("sink", 7), ("h2o", 7)])
 def test_state_kernels_follow_the_cache_policy(policy, size):
-    """begin and take_slot(_h2o), step after step, give the slots, positions, lengths and sink
-    shifts that the host cache's allocate(1) gives (h2o: with the same scores added between
-    steps, the same victims)."""
+    """begin and take_slot(_h2o), step after step, give the slots, positions, lengths, spans
+    and sink shifts that the host cache's allocate(1) gives (h2o: with the same scores added
+    between steps, the same victims)."""
     rng = seeded_rng()
     L, G, D = 2, 2, 8
     be = CudaBackend()
@@ -31,7 +31,7 @@ def test_state_kernels_follow_the_cache_policy(policy, size):
     cache.allocate(3)                                # a prompt
     C = cache.capacity
     state = np.zeros(gs.N_STATE, np.int64)
-    state[[gs.NEXT, gs.LENGTH]] = cache.next_pos, cache.length
+    state[[gs.NEXT, gs.LENGTH, gs.SPAN]] = cache.next_pos, cache.length, cache.span
     state = be.dev(state, np.int64)
     kind = {"dense": gs.DENSE, "sink": gs.SINK, "h2o": gs.H2O}[policy]
     if policy == "h2o":
@@ -58,7 +58,7 @@ def test_state_kernels_follow_the_cache_policy(policy, size):
             assert np.array_equal(be.to_numpy(slots), cache._slots)
         s = be.to_numpy(state)
         assert s[gs.POS] == pos[0] and s[gs.NEXT] == cache.next_pos
-        assert s[gs.LENGTH] == cache.length
+        assert s[gs.LENGTH] == cache.length and s[gs.SPAN] == cache.span
         assert np.array_equal(be.to_numpy(table).reshape(cache.slot_pos.shape), cache.slot_pos)
         if policy != "dense":
             assert s[gs.SHIFT] == cache.sink_shift
@@ -73,6 +73,129 @@ def test_rope_row_is_the_reference_table():
     gs.launch_rope_row(be.dev(inv), be.dev(state, np.int64), cos, sin)
     want = ref.rope_tables(inv, np.array([123457]))
     assert rel_err(be.to_numpy(cos), want[0]) < 1e-6 and rel_err(be.to_numpy(sin), want[1]) < 1e-6
+
+
+def _decoder(model, cache, prompt):
+    """A device decoder (greedy, eager) over `cache` after the prompt, and the prompt's token."""
+    logits = model.backend.to_numpy(model.forward(prompt, cache))
+    sampler = Sampler(SamplingParams(temperature=0, repeat_penalty=1.0))
+    return device_decode.DeviceDecoder(model, cache, sampler, list(prompt), graph=False), \
+        int(logits.argmax())
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """family(name) -> a tiny 2-layer model of that family (GQA), written once."""
+    from tinyrt.models import FAMILIES
+
+    made = {}
+
+    def model(name: str):
+        if name not in made:
+            # (Gemma 3 with global layers only: one set of RoPE frequencies, as the device needs)
+            over = dict(head_dim=8, query_pre_attn_scalar=8, hidden_act="gelu_pytorch_tanh",
+                        layer_types=["full_attention"] * 2) if name == "gemma3_text" else {}
+            cfg = tiny_config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, num_hidden_layers=2, model_type=name,
+                              architectures=[FAMILIES[name].architecture], **over)
+            made[name] = write_tiny_model(tmp_path_factory.mktemp(name), cfg)
+        return made[name]
+    return model
+
+
+@pytest.mark.parametrize("policy, name", [("dense", "llama"), ("sink", "llama"), ("h2o", "llama"),
+                                          ("dense", "qwen3"), ("sink", "qwen2"),
+                                          ("h2o", "gemma3_text")])
+def test_device_steps_read_only_the_slots_in_use(family, policy, name):
+    """Attention in the device's steps visits the cache's slots in use (its span, which the
+    steps keep on the device), not its capacity: in a cache of 40 slots, of which a prompt of 5
+    and 4 steps use 9, slots 20 and on are made to hold positions the queries would see, with
+    NaN keys and values, in the device's cache and the host's. The device's greedy tokens are
+    the host's steps' (which read slots [0, span)), and every K, V row it stored is finite (a
+    visit makes them NaN). Through each family's fused step: Qwen3's q/k norms, Qwen2's biases,
+    Gemma 3's output norms, GeGLU and scaled embeddings."""
+    from tinyrt.kernels import get_backend
+    from tinyrt.kv_cache import make_cache
+    from tinyrt.models import load_model
+
+    model = load_model(family(name), get_backend("cuda"))
+    assert device_decode.usable(model, make_cache(CacheOptions(policy, 40, "f16"), model))
+    caches = [make_cache(CacheOptions(policy, 40, "f16", sinks=2), model) for _ in range(2)]
+    for c in caches:
+        c.slot_pos[..., 20:] = np.arange(20) % 4
+        c.k[:, :, 20:] = c.v[:, :, 20:] = np.nan
+    prompt = [int(t) for t in seeded_rng().integers(3, 300, 5)]
+    dec, tok = _decoder(model, caches[0], prompt)
+    model.forward(prompt, caches[1])
+    got, want = [tok], [tok]
+    for _ in range(4):
+        got.append(dec.step(got[-1]))
+        logits = model.forward([want[-1]], caches[1])
+        want.append(int(model.backend.to_numpy(logits).argmax()))
+    dec.finish()
+    assert got == want and caches[0].span == caches[1].span == 9
+    for a in (caches[0].k, caches[0].v):
+        assert np.isfinite(model.backend.to_numpy(a)[:, :, :9]).all()
+
+
+def _launches(tmp_path, layers: int) -> tuple[int, int, int]:
+    """Kernels that one device decode step launches, for a 4-bit model of `layers` layers of
+    Llama-2-7B's structure (RMSNorm, fused q|k|v, RoPE, multi-head attention over a float16
+    cache, o, SwiGLU; tiny): those Numba launches, torch ops that run a kernel (not a view, not
+    an allocation), and of those the zeroing of a split-K GEMV's output."""
+    import torch
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from helpers import write_tiny_model
+    from tinyrt.converters import convert
+    from tinyrt.kernels import get_backend
+    from tinyrt.kv_cache import make_cache
+    from tinyrt.models import load_model
+
+    cfg = tiny_config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=4, num_hidden_layers=layers)
+    d = convert(write_tiny_model(tmp_path / f"m{layers}", cfg), tmp_path / f"q{layers}",
+                method="rtn", group_size=32)
+    model = load_model(d, get_backend("cuda"))
+    cache = make_cache(CacheOptions("dense", 16, "f16"), model)
+    dec, tok = _decoder(model, cache, [5, 6, 7])
+    numba, ops = [], []
+    free = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func not in free:
+                ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    call = FakeCUDAKernel.__call__
+
+    def counted(kernel, *args):
+        if not kernel._device:             # (a device function's call is no launch)
+            numba.append(kernel.fn.__name__)
+        return call(kernel, *args)
+
+    FakeCUDAKernel.__call__ = counted
+    try:
+        dec.step(tok)                      # (a warm step: the next ones launch the same)
+        numba.clear(), ops.clear()
+        with Ops():
+            dec.step(tok)
+    finally:
+        FakeCUDAKernel.__call__ = call
+    return len(numba), len(ops), sum(op in ("fill_", "zero_") for op in ops)
+
+
+def test_a_decode_step_launches_at_most_10_kernels_a_layer(tmp_path):
+    """Kernel launches a layer of a device decode step at Llama-2-7B's structure, counted where
+    Numba launches a kernel (a model of 2 layers against one of 1): at most 10 (the ops one by
+    one: 12, and 2 torch adds); and no torch op runs in a layer but a split-K GEMV's zeroing of
+    its output (a torch fill; none at these shapes)."""
+    (n2, t2, z2), (n1, t1, z1) = _launches(tmp_path, 2), _launches(tmp_path, 1)
+    numba, torch_ops, zeroing = n2 - n1, t2 - t1, z2 - z1
+    assert numba <= 10, f"{numba} Numba launches a layer"
+    assert torch_ops == zeroing, f"{torch_ops} torch ops a layer, {zeroing} of them zeroing"
 
 
 @pytest.mark.parametrize("params", [

@@ -124,13 +124,15 @@ def test_store_kv(dtype):
     assert np.array_equal(got_k, want_k) and np.array_equal(got_v, want_v)
 
 
-def attend(q, k, v, q_pos, k_pos, window, score, chunk=None):
-    """launchers.launch_attention on device copies, scratch from cuda.device_array: (out, score)."""
+def attend(q, k, v, q_pos, k_pos, window, score, chunk=None, live=None):
+    """launchers.launch_attention on device copies, scratch from cuda.device_array: (out, score);
+    live: the slots of k_pos read (default: all)."""
     out = np.empty(q.shape, np.float32)
-    got = run(lambda *a: launchers.launch_attention(*a[:5], 0.25, window, *a[5:],
+    live = np.array([k_pos.shape[1] if live is None else live])
+    got = run(lambda *a: launchers.launch_attention(*a[:6], 0.25, window, *a[6:],
                                               lambda shape: cuda.device_array(shape, np.float32),
                                               chunk),
-              q, k, v, q_pos, k_pos, score, out)
+              q, k, v, q_pos, k_pos, live, score, out)
     return got[-1], got[-2]
 
 
@@ -192,12 +194,108 @@ def test_attention_in_splits_and_batches(monkeypatch):
     assert kernels.attention_chunk(1000, 2, 1) < 1000          # a decode step's default: splits
 
 
+@pytest.mark.parametrize("cache", ["dense", "sink", "h2o"])
+@pytest.mark.parametrize("T, chunk", [(1, None), (2, None), (1, 8)])
+def test_attention_reads_only_the_slots_held(cache, T, chunk):
+    """Attention over the first n of C slots, n read from the device (live, as a decode step's
+    span): the reference's over those n and, bit for bit, the kernels' over a table of n slots
+    (as the host's steps give it). The slots past n are never visited: they hold positions the
+    queries would see, but NaN keys and values (a visit makes the output NaN), and h2o's scores
+    there stay as they were. A dense cache's positions in order, a sink cache's ring in any
+    order (one table), h2o's per KV head with scores; the kernels' splits, or splits of 8."""
+    rng = seeded_rng()
+    G, R, D, C, n = 2, 2, 16, 96, 21
+    q_pos = 300 + np.arange(T)
+    if cache == "dense":
+        k_pos = np.arange(C)[None] + q_pos[-1] - n + 1
+    else:
+        k_pos = ring(G if cache == "h2o" else 1, C, q_pos[-1], 2, rng)
+    k_pos[:, n:] = rng.integers(0, q_pos[0], (k_pos.shape[0], C - n))
+    q = rng.standard_normal((T, G * R, D)).astype(np.float32)
+    k, v = (rng.standard_normal((G, C, D)).astype(np.float16) for _ in range(2))
+    k[:, n:] = v[:, n:] = np.nan
+    score = rng.random((G, C)).astype(np.float32) if cache == "h2o" else np.zeros((G, 0),
+                                                                                  np.float32)
+    want_score = score.copy()
+    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos[:, :n],
+                         0.25, None, want_score if cache == "h2o" else None)
+    got, got_score = attend(q, k, v, q_pos, k_pos, 0, score.copy(), chunk, live=n)
+    assert rel_err(got, want) < 1e-5
+    held, held_score = attend(q, k, v, q_pos, np.ascontiguousarray(k_pos[:, :n]), 0, score.copy(),
+                              chunk)
+    assert np.array_equal(got, held) and np.array_equal(got_score, held_score)
+    if cache == "h2o":
+        assert rel_err(got_score, want_score) < 1e-6
+        assert np.array_equal(got_score[:, n:], score[:, n:])
+
+
+@pytest.mark.parametrize("H", [300, 5])
+def test_add_rmsnorm(H):
+    """The residual add and the norm after it in one launch: x becomes x + d (the add's floats),
+    and the output is x + d's RMSNorm: rmsnorm's alone, bit for bit, and the reference's. Rows
+    wider than a block's threads and narrower."""
+    be = CudaBackend()
+    x, d = (rng.standard_normal((2, H)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(H).astype(np.float32)
+    x_dev = be.dev(x)
+    y = be.to_numpy(be.add_rmsnorm(x_dev, be.dev(d), be.dev(w), 1e-5))
+    assert np.array_equal(be.to_numpy(x_dev), x + d)
+    assert np.array_equal(y, be.to_numpy(be.rmsnorm(be.dev(x + d), be.dev(w), 1e-5)))
+    assert rel_err(y, ref.rmsnorm(x + d, w, 1e-5)) < 1e-5
+
+
+@pytest.mark.parametrize("extra", ["none", "bias", "q/k norms"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_rope_store(extra, dtype):
+    """A q|k|v projection's output made ready in one launch (rope_store) as the backend's ops
+    make it one by one (LlamaModel.attention: the bias (Qwen2's), each head's q/k norm
+    (Qwen3's), RoPE; then store_kv): the queries and the cache after the store bit for bit the
+    ops', and the NumPy reference's (a key past float16's range clamped)."""
+    be = CudaBackend()
+    T, Q, G, D, C = 2, 4, 2, 16, 9
+    qkv = (rng.standard_normal((T, (Q + 2 * G) * D)) * 3).astype(np.float32)
+    qkv[0, Q * D + 3] = 1e6
+    bias = rng.standard_normal(qkv.shape[1]).astype(np.float32) if extra == "bias" else None
+    norms = [rng.standard_normal(D).astype(np.float32) if extra == "q/k norms" else None
+             for _ in range(2)]
+    cos, sin = ref.rope_tables(1 / 10000 ** (np.arange(D // 2) / (D // 2)), np.array([5, 300]))
+    slots = np.array([[4, 0], [1, 7]])
+    start = rng.standard_normal((G, C, D)).astype(dtype)
+    dev = [None if a is None else be.dev(a) for a in (qkv, bias, *norms, cos, sin)]
+    bufs = [be.dev(start, dtype) for _ in range(4)]
+    q = be.rope_store(*dev[:4], 1e-6, *dev[4:], *bufs[:2], be.dev(slots, np.int64), Q)
+
+    x = dev[0] if bias is None else dev[0] + dev[1]             # the ops, one by one
+    heads = [x[:, :Q * D].reshape(T, Q, D), x[:, Q * D:(Q + G) * D].reshape(T, G, D)]
+    if norms[0] is not None:
+        heads = [be.rmsnorm(h.reshape(-1, D), w, 1e-6).reshape(h.shape)
+                 for h, w in zip(heads, dev[2:4])]
+    ops = [be.rope(h, dev[4], dev[5]) for h in heads]
+    be.store_kv(*bufs[2:], slots, ops[1], x[:, (Q + G) * D:].reshape(T, G, D))
+    for a, b in zip((q, *bufs[:2]), (ops[0], *bufs[2:])):
+        assert _same_bits(be.to_numpy(a), be.to_numpy(b))
+
+    x = qkv if bias is None else qkv + bias                     # the reference
+    heads = [x[:, :Q * D].reshape(T, Q, D), x[:, Q * D:(Q + G) * D].reshape(T, G, D)]
+    if norms[0] is not None:
+        heads = [ref.rmsnorm(h.reshape(-1, D), w, 1e-6).reshape(h.shape)
+                 for h, w in zip(heads, norms)]
+    want_k, want_v = start.copy(), start.copy()
+    ref.ReferenceBackend.store_kv(want_k, want_v, slots, ref.rope(heads[1], cos, sin),
+                                  x[:, (Q + G) * D:].reshape(T, G, D))
+    assert rel_err(be.to_numpy(q), ref.rope(heads[0], cos, sin)) < 1e-6
+    for got, want in zip(bufs[:2], (want_k, want_v)):
+        assert rel_err(be.to_numpy(got).astype(np.float32), want.astype(np.float32)) < 1e-3
+    if dtype == np.float16 and norms[0] is None:
+        assert be.to_numpy(bufs[0])[0, 4, 3] == 65504
+
+
 @pytest.fixture
 def gpu_shapes(monkeypatch):
     """The launch shapes a GPU gets: warps of 32 lanes, 8 rows and 128 threads a block (the
     simulator's own are smaller, for its speed; the kernels are written for both)."""
     for module in (primitives, kernels, gemv, kv, launchers, backend, device_step):
-        for name, value in (("LANES", 32), ("ROWS", 8), ("THREADS", 128)):
+        for name, value in (("LANES", 32), ("ROWS", 8), ("THREADS", 128), ("NORM_THREADS", 1024)):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, value)
 
@@ -218,7 +316,7 @@ def test_kernels_at_the_gpu_s_launch_shapes(gpu_shapes):
     x = rng.standard_normal((2, 300)).astype(np.float32)
     g = rng.standard_normal(300).astype(np.float32)
     (y,) = run(lambda x, w, y: launchers.launch_rmsnorm(x, w, 1e-5, y), x, g, np.empty_like(x))[-1:]
-    assert rel_err(y, ref.rmsnorm(x, g, 1e-5)) < 1e-5
+    assert rel_err(y, ref.rmsnorm(x, g, 1e-5)) < 1e-5      # (a block of 512 threads)
     G, D, S = 1, 16, 200
     q_pos = np.array([249, 250])
     q = rng.standard_normal((2, 2, D)).astype(np.float32)       # two query heads, one KV head
@@ -567,7 +665,8 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
         model.forward(chunk, cache)
     names = {json.loads(s)[1] for s in seen}
     assert {"q4_gemv", "q_dequantize", "attention_split", "begin", "take_slot", "take_slot_h2o",
-            "rotate_sinks", "store_kv_q", "attention_decode_q"} <= names, names
+            "rotate_sinks", "store_kv_q", "attention_decode_q", "add_rmsnorm",
+            "rope_store"} <= names, names
     (tmp_path / "launches.json").write_text(json.dumps(sorted(seen)))
     out = _compile_for_the_gpu(r"""
 import importlib, json, sys

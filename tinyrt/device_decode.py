@@ -1,10 +1,11 @@
 """Decode steps that stay on the GPU, captured once in a CUDA graph and replayed.
 
-A step on the CUDA backend is ~400 kernel launches; issued one by one from Python, with the
-positions, slot tables and RoPE angles copied up and the logits copied down each token, the host
-is the bottleneck. Here a step reads everything that changes from device memory (the token,
-the cache's state and tables: kernels.cuda.step), so the same launches replay as a CUDA graph;
-sampling runs on the device too (torch ops), and one token id crosses to the host per step.
+A step on the CUDA backend is hundreds of kernel launches (10 a layer: models.llama
+decode_layers); issued one by one from Python, with the positions, slot tables and RoPE angles
+copied up and the logits copied down each token, the host is the bottleneck. Here a step
+reads everything that changes from device memory (the token, the cache's state and tables:
+kernels.cuda.step), so the same launches replay as a CUDA graph; sampling runs on the device
+too (torch ops), and one token id crosses to the host per step.
 
 While a `DeviceDecoder` runs, the device owns the KV cache's bookkeeping (position, length,
 slot tables, h2o scores, the sinks' rotation and copies); `finish` writes it back into the cache
@@ -145,8 +146,10 @@ class DeviceDecoder:
         state[[gs.NEXT, gs.LENGTH]] = cache.next_pos, cache.length
         state[gs.SHIFT] = state[gs.ROTATED] = getattr(cache, "rotated_shift", 0)
         state[gs.COPIES] = getattr(cache, "sink_keys", None) is not None
+        state[gs.SPAN] = cache.span
         self.state = be.dev(state, np.int64)
         self.pos = self.state[gs.POS:gs.POS + 1]                   # the query's position [1]
+        self.span = self.state[gs.SPAN:gs.SPAN + 1]      # the slots attention reads: [0, span)
         if self.policy == gs.H2O:
             self.table = be.dev(cache.slot_pos.reshape(L * G, C), np.int64)
             self.score = be.dev(cache.score.reshape(L * G, C))
@@ -178,13 +181,18 @@ class DeviceDecoder:
         return self.policy != gs.DENSE or self.cache.next_pos + self.steps < self.cache.capacity
 
     def _attend(self, i: int):
+        """Layer i's attention for decode_layers: its q|k|v output made ready and stored, then
+        attention over the slots in use (the span read from the device: a graph replays it)."""
         be, cache, m = self.be, self.cache, self.model
+        cfg = m.config
         slots, table, score = self.views[i]
-        k_buf, v_buf, window = cache.k[i], cache.v[i], m.config.window(i)
+        k_buf, v_buf, window = cache.k[i], cache.v[i], cfg.window(i)
 
-        def attend(q, k, v):
-            be.store_kv(k_buf, v_buf, slots, k, v)
-            return be.attention(q, k_buf, v_buf, self.pos, table, m.scale, window, score)
+        def attend(qkv, L):
+            q = be.rope_store(qkv, L.qkv_bias, L.q_norm, L.k_norm, cfg.rms_norm_eps, self.cos,
+                              self.sin, k_buf, v_buf, slots, cfg.num_attention_heads)
+            return be.attention(q, k_buf, v_buf, self.pos, table, m.scale, window, score,
+                                self.span)
         return attend
 
     def _step(self) -> None:
@@ -200,7 +208,7 @@ class DeviceDecoder:
             k, v = c._flat()
             gs.launch_rotate_sinks(k, v, self.sink_k, self.sink_v, self.state, self.inv_freq)
         gs.launch_rope_row(self.inv_freq, self.state, self.cos, self.sin)
-        h = m.decode_layers(m.embed_tokens(self.tok), self.cos, self.sin, self.attends)
+        h = m.decode_layers(m.embed_tokens(self.tok), self.attends)
         self.sampler(m.logits(h), self.tok)
 
     def step(self, token: int) -> int:
@@ -271,12 +279,9 @@ class DeviceDecoder:
         c.next_pos, c.length = int(state[gs.NEXT]), int(state[gs.LENGTH])
         table = self.be.to_numpy(self.table)
         c.slot_pos[...] = table.reshape(c.slot_pos.shape)
+        c.span = int(state[gs.SPAN])
         if self.policy == gs.H2O:
             c.score[...] = self.be.to_numpy(self.score).reshape(c.score.shape)
-            c.span = c.length
-        else:
-            used = np.flatnonzero(c.slot_pos >= 0)
-            c.span = int(used[-1]) + 1 if used.size else 0
         if self.n_sink and self.policy != gs.DENSE:
             copies = state[gs.COPIES] or state[gs.SHIFT] != state[gs.ROTATED]
             c.rotated_shift = int(state[gs.SHIFT])

@@ -11,7 +11,8 @@ from .. import kv_quant, quant, reference
 from .gemv import GpuQuant, repack
 from .launchers import (launch_attention, launch_attention_decode_q, launch_dequantize_kv,
                         launch_gemv, launch_q_dequantize, launch_q_gemv, launch_rmsnorm,
-                        launch_rope, launch_silu_mul, launch_store_kv, launch_store_kv_q)
+                        launch_rope, launch_rope_store, launch_silu_mul, launch_store_kv,
+                        launch_store_kv_q)
 from .primitives import LANES, SIM
 
 
@@ -123,6 +124,23 @@ class CudaBackend(reference.ReferenceBackend):
         launch_rmsnorm(x, w, eps, y)
         return y
 
+    def add_rmsnorm(self, x, d, w, eps):
+        """x += d (a device tensor, in place; d None: nothing), then its RMSNorm, in one launch."""
+        y = self.empty(x.shape)
+        launch_rmsnorm(x, w, eps, y, d)
+        return y
+
+    def rope_store(self, qkv, bias, q_norm, k_norm, eps, cos, sin, k_buf, v_buf, slots, heads):
+        """The queries [T, heads, D] of a q|k|v projection's output qkv [T, (heads + 2G) D], their
+        keys and values stored into the float cache k_buf, v_buf [G, C, D] at slots [G, T]:
+        LlamaModel.attention's bias, q/k norms (None: none) and RoPE, and store_kv, in one
+        launch (kernels.rope_store)."""
+        none = self.empty(0)             # (an empty vector: none)
+        q = self.empty((qkv.shape[0], heads, k_buf.shape[2]))
+        launch_rope_store(qkv, none if bias is None else bias, none if q_norm is None else q_norm,
+                          none if k_norm is None else k_norm, eps, cos, sin, k_buf, v_buf, slots, q)
+        return q
+
     def rope(self, x, cos, sin):
         x = self.dev(x)
         y = self.empty(x.shape)
@@ -160,10 +178,11 @@ class CudaBackend(reference.ReferenceBackend):
             return tuple(self.to_numpy(a) for a in self._dequantized(k_buf, n))
         return super().read_kv(k_buf, v_buf, n)
 
-    def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None):
+    def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None, live=None):
         """Flash-decoding over a float cache, a prompt's queries in one launch set (their own
         and later tokens' slots hidden by the causal mask); the positions uploaded once, k_pos
-        with its own first dim (one table for all heads, or one per head). A quantized cache (k
+        with its own first dim (one table for all heads, or one per head); live: the slots of
+        k_pos read, the first live[0] (int64 [1] on the device; None: all). A quantized cache (k
         a QuantKV) is read in place for one query; for a prompt's, its slots are dequantized
         once into float32 buffers that the float kernels read."""
         q = self.dev(q)
@@ -171,7 +190,7 @@ class CudaBackend(reference.ReferenceBackend):
         quantized = isinstance(k, kv_quant.QuantKV)
         G, S = (k.where if quantized else k).shape[0], k_pos.shape[-1]
         k_pos = self.dev(k_pos, np.int64).reshape(-1, S)
-        sc = self.zeros((G, 0)) if score is None else self.dev(score)
+        sc = self.empty((G, 0)) if score is None else self.dev(score)
         out = self.empty((T, Q, D))
         if quantized and T == 1:
             launch_attention_decode_q(q[0], k, int(q_pos[0]), k_pos.expand(G, S).contiguous(),
@@ -179,8 +198,10 @@ class CudaBackend(reference.ReferenceBackend):
         else:
             if quantized:
                 k, v = self._dequantized(k, S)
-            launch_attention(q, k, v, self.dev(q_pos, np.int64), k_pos, scale, window or 0, sc,
-                             out, self.empty)
+            if live is None:
+                live = self.dev(np.array([S]), np.int64)
+            launch_attention(q, k, v, self.dev(q_pos, np.int64), k_pos, live, scale, window or 0,
+                             sc, out, self.empty)
         if score is not None and sc is not score:
             score[...] = self.to_numpy(sc)          # a cache that keeps its scores on the host
         return out

@@ -13,7 +13,8 @@ import math
 
 from numba import cuda, float32
 
-from .primitives import LANES, ROWS, SIM, THREADS, block_reduce, clip, greater, lesser, visible
+from .primitives import (LANES, NORM_THREADS, ROWS, SIM, THREADS, block_reduce, clip, greater,
+                         lesser, visible)
 
 
 # Numba's CUDA simulator has no warp shuffles (cuda.shfl_*_sync raise there): so the sum of a
@@ -63,17 +64,28 @@ def gemv(x, w, y):
         y[o] = total
 
 
+@cuda.jit(device=True)
+def _inv_rms(total, n, eps):
+    """An RMSNorm's factor 1 / sqrt(total / n + eps) for n values whose squares sum to total."""
+    return float32(1) / math.sqrt(total / n + eps)
+
+
 @cuda.jit(cache=True)
-def rmsnorm(x, w, eps, y):
-    """y [T, H] = x / sqrt(mean(x**2) + eps) * w; one block per row."""
-    t, tid = cuda.blockIdx.x, cuda.threadIdx.x
+def add_rmsnorm(x, d, add, w, eps, y):
+    """y [T, H] = x / sqrt(mean(x**2) + eps) * w, the residual d [T, H] first added into x
+    where add is 1 (x += d, in place: a decode step's residual add and the norm after it in one
+    launch; add 0: a plain RMSNorm, d not read). One block per row, its threads striding it (a
+    power of two of them, at most NORM_THREADS), their sums of squares a block reduction."""
+    t, tid, threads = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     n = x.shape[1]
-    part = cuda.shared.array(THREADS, float32)
+    part = cuda.shared.array(NORM_THREADS, float32)
     acc = float32(0)
-    for i in range(tid, n, THREADS):
+    for i in range(tid, n, threads):
+        if add:
+            x[t, i] += d[t, i]
         acc += x[t, i] * x[t, i]
-    inv = float32(1) / math.sqrt(block_reduce(part, tid, acc, False) / n + eps)
-    for i in range(tid, n, THREADS):
+    inv = _inv_rms(block_reduce(part, tid, acc, False), n, eps)
+    for i in range(tid, n, threads):
         y[t, i] = x[t, i] * inv * w[i]
 
 
@@ -117,31 +129,106 @@ def store_kv(k_buf, v_buf, slots, k, v, top):
         v_buf[g, s, d] = clip(v[t, g, d], -top, top)
 
 
+@cuda.jit(device=True)
+def _biased(qkv, bias, t, c):
+    """Column c of token t's q|k|v projection, its bias added (bias [0]: none)."""
+    return qkv[t, c] + bias[c] if bias.shape[0] > 0 else qkv[t, c]
+
+
+@cuda.jit(cache=True)
+def rope_store(qkv, bias, q_norm, k_norm, eps, cos, sin, k_buf, v_buf, slots, top, q):
+    """A decode step's q|k|v projection qkv [T, (Q + 2G) D] made ready for attention in one
+    launch, as the model's ops make it (LlamaModel.attention): the bias added (bias
+    [(Q + 2G) D], or [0]: none), each q and k head RMS-normed (q_norm, k_norm [D], or [0]:
+    none), rotated by cos, sin [T, D/2] as `rope` rotates; the queries into q [T, Q, D], the keys
+    and values stored as store_kv stores them (into k_buf, v_buf [G, C, D] at KV head g's slots
+    slots[g] ([G, T]), clamped to +-top). Block (h, t): head h of token t, the Q query heads
+    and then the G KV heads (a key and its value); its threads take the pairs (i, i + D/2), and
+    sum a norm's squares as add_rmsnorm's threads do (launched as many: the same sums)."""
+    h, t, tid, threads = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
+    Q, D = q.shape[1], q.shape[2]
+    G = k_buf.shape[0]
+    half = D // 2
+    at = h * D                           # the head's first column in qkv
+    g = h - Q                            # (a KV head: h >= Q)
+    norm = q_norm if h < Q else k_norm
+    part = cuda.shared.array(NORM_THREADS, float32)
+    inv = float32(1)
+    if norm.shape[0] > 0:                # (the same branch in the whole block: it syncs)
+        acc = float32(0)
+        for i in range(tid, D, threads):
+            x = _biased(qkv, bias, t, at + i)
+            acc += x * x
+        inv = _inv_rms(block_reduce(part, tid, acc, False), D, eps)
+    for i in range(tid, half, threads):
+        x1, x2 = _biased(qkv, bias, t, at + i), _biased(qkv, bias, t, at + i + half)
+        if norm.shape[0] > 0:            # (rounded to float32 as the norm's output is)
+            x1, x2 = float32(x1 * inv * norm[i]), float32(x2 * inv * norm[i + half])
+        c, s = cos[t, i], sin[t, i]
+        y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+        if h < Q:
+            q[t, h, i], q[t, h, i + half] = y1, y2
+        else:
+            k_buf[g, slots[g, t], i] = clip(y1, -top, top)
+            k_buf[g, slots[g, t], i + half] = clip(y2, -top, top)
+    if h >= Q:
+        for i in range(tid, D, threads):
+            v_buf[g, slots[g, t], i] = clip(_biased(qkv, bias, t, (Q + G + g) * D + i), -top, top)
+
+
 # -- attention over a float cache: flash-decoding ------------------------------------------------
 # One block per query head would leave most of a GPU idle at batch 1 (a few dozen heads for 132
 # SMs) and read a long context slowly; so the slots are cut into splits, a block per (head,
 # split, query), each writing an unnormalized partial and its (max, sum), which a second kernel
 # merges. Positions are device arrays: a CUDA graph replays the same launches as they change.
+# So is the number of slots the cache holds (`live`): the grid has the most splits, the kernels
+# cut the slots held into them, and a block past those returns at once, so that a step's work
+# follows what the cache holds and not its capacity.
 
 SPLIT_BLOCKS = 8 if SIM else 512       # blocks that fill a GPU (4 per SM of an H100's 132)
 SPLIT_MIN = 16 if SIM else 64          # the fewest slots a split takes: less is all overhead
 SPLIT_MAX = 64                          # the most splits (bounds the partials and the merge)
 
 
+def attention_splits(Q: int, T: int) -> int:
+    """The grid's splits for T queries of Q heads: enough that Q * splits * T blocks fill the
+    GPU (SPLIT_BLOCKS; a prompt's queries fill it alone), at most SPLIT_MAX."""
+    return min(SPLIT_MAX, -(-SPLIT_BLOCKS // (Q * T)))
+
+
+def _split_chunk(S, splits):
+    """The slots a split takes, of S slots cut into at most `splits`: at least SPLIT_MIN."""
+    chunk = (S + splits - 1) // splits
+    return chunk if chunk > SPLIT_MIN else SPLIT_MIN
+
+
+split_chunk = cuda.jit(device=True)(_split_chunk)
+
+
 def attention_chunk(S: int, Q: int, T: int) -> int:
-    """The slots a split takes, for T queries of Q heads over S slots: enough splits that
-    Q * splits * T blocks fill the GPU (SPLIT_BLOCKS; a prompt's queries fill it alone), at
-    most SPLIT_MAX, each of at least SPLIT_MIN slots. The launcher's splits: ceil(S / chunk)."""
-    want = min(SPLIT_MAX, -(-SPLIT_BLOCKS // (Q * T)))
-    return max(SPLIT_MIN, -(-S // want))
+    """The slots a split takes, for T queries of Q heads over S slots held (the kernels' own
+    choice where they are given none)."""
+    return _split_chunk(S, attention_splits(Q, T))
+
+
+@cuda.jit(device=True)
+def live_splits(S, live, chunk, splits):
+    """What attention reads of a slot table of S: slots [0, n), the first live[0] (the slots
+    the cache holds); the slots a split takes (chunk, or where it is 0 split_chunk's of n in
+    `splits`); and how many splits hold them. One definition for the kernels that must agree."""
+    n = lesser(S, live[0])
+    if chunk <= 0:
+        chunk = split_chunk(n, splits)
+    return n, chunk, (n + chunk - 1) // chunk
 
 
 @cuda.jit(cache=True)
-def attention_split(q, k, v, q_pos, k_pos, scale, window, chunk, probs, part, ml):
+def attention_split(q, k, v, q_pos, k_pos, live, scale, window, chunk, probs, part, ml):
     """Flash-decoding's first pass: queries q [T, Q, D] at positions q_pos [T] over the cache
     buffers k, v [G, C, D] (float16 or float32), slots [0, S) of which hold positions k_pos
-    [Gk, S] (Gk = G: a table per KV head, or 1: one for all; -1: free), in any order; window
-    <= 0: none. Block (h, j, t) takes query t of head h over slots [j chunk, (j + 1) chunk):
+    [Gk, S] (Gk = G: a table per KV head, or 1: one for all; -1: free), in any order, the first
+    live[0] of them read (live_splits, with chunk); window <= 0: none. Block (h, j, t) takes
+    query t of head h over slots [j chunk, (j + 1) chunk), or returns if they hold none:
     its warps take the slots in turn, a warp's lanes a slot's channels (a K row read at once),
     for the scores (-inf: hidden, its K row not read) into probs [T, Q, S]; then each thread
     takes channels d for sum_s exp(score_s - m) V[s, d] (m: the chunk's largest score; V rows
@@ -151,7 +238,10 @@ def attention_split(q, k, v, q_pos, k_pos, scale, window, chunk, probs, part, ml
     tid = cuda.threadIdx.x
     lane, warp, warps = tid % LANES, tid // LANES, THREADS // LANES
     Q, D = q.shape[1], q.shape[2]
-    G, S = k.shape[0], k_pos.shape[1]
+    G = k.shape[0]
+    S, chunk, splits = live_splits(k_pos.shape[1], live, chunk, part.shape[2])
+    if j >= splits:                      # (the whole block returns: no barrier waits for it)
+        return
     g = h // (Q // G)
     row = g if k_pos.shape[0] > 1 else 0
     qp = q_pos[t]
@@ -186,13 +276,15 @@ def attention_split(q, k, v, q_pos, k_pos, scale, window, chunk, probs, part, ml
 
 
 @cuda.jit(cache=True)
-def attention_combine(part, ml, out, stats):
-    """Flash-decoding's merge: block (h, t) adds the splits' partials of query t, head h
-    (part [T, Q, splits, D], (m, l) in ml [T, Q, splits, 2]): M = max_j m_j, L = sum_j l_j
-    exp(m_j - M), out [T, Q, D] = sum_j part_j exp(m_j - M) / L (0: nothing visible); (M, L)
-    into stats [T, Q, 2] for attention_scores."""
+def attention_combine(part, ml, S, live, chunk, out, stats):
+    """Flash-decoding's merge: block (h, t) adds the partials of query t, head h of the splits
+    attention_split wrote (live_splits of the same S, live and chunk; part [T, Q, splits, D],
+    (m, l) in ml [T, Q, splits, 2]): M = max_j m_j, L = sum_j l_j exp(m_j - M), out [T, Q, D] =
+    sum_j part_j exp(m_j - M) / L (0: nothing visible); (M, L) into stats [T, Q, 2] for
+    attention_scores."""
     h, t, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    splits, D = part.shape[2], part.shape[3]
+    D = part.shape[3]
+    splits = live_splits(S, live, chunk, part.shape[2])[2]
     M = float32(-math.inf)
     for j in range(splits):
         M = greater(M, ml[t, h, j, 0])
@@ -213,15 +305,16 @@ def attention_combine(part, ml, out, stats):
 
 
 @cuda.jit(cache=True)
-def attention_scores(probs, stats, score):
-    """H2O: slot s < S of KV head g gets the weights of the T queries and the R = Q / G query
-    heads of g added: score [G, C] += sum exp(probs [T, Q, S] - M) / L ((M, L): stats [T, Q, 2]).
-    A thread per (g, s), its sum in a fixed order: no atomics, the same scores every run."""
+def attention_scores(probs, stats, live, score):
+    """H2O: slot s < S of KV head g, of the first live[0] that attention read, gets the weights
+    of the T queries and the R = Q / G query heads of g added: score [G, C] += sum exp(probs
+    [T, Q, S] - M) / L ((M, L): stats [T, Q, 2]). A thread per (g, s), its sum in a fixed
+    order: no atomics, the same scores every run."""
     n = cuda.grid(1)
     T, Q, S = probs.shape
     G = score.shape[0]
     R = Q // G
-    if n < G * S:
+    if n < G * S and n % S < live[0]:
         g, s = n // S, n % S
         acc = float32(0)
         for t in range(T):

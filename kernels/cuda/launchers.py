@@ -9,10 +9,10 @@ from numba import cuda
 
 from .. import kv_quant
 from .gemv import ROWS_PER_WARP, group_shift, q4_gemv, q8_gemv, q_dequantize, width
-from .kernels import (attention_chunk, attention_combine, attention_scores, attention_split, gemv,
-                      rmsnorm, rope, silu_mul, store_kv)
+from .kernels import (add_rmsnorm, attention_combine, attention_scores, attention_split,
+                      attention_splits, gemv, rope, rope_store, silu_mul, store_kv)
 from .kv import MAX_CODES, attention_decode_q, dequantize_kv, store_kv_q
-from .primitives import HALF_MAX, LANES, ROWS, SIM, THREADS
+from .primitives import HALF_MAX, LANES, NORM_THREADS, ROWS, SIM, THREADS
 
 SCORES_MAX = 2 ** 24     # the most floats of scores [T, Q, S] one launch set of attention keeps
 
@@ -87,8 +87,15 @@ def launch_gemv(x, w, y) -> None:
     launch(gemv, blocks(w.shape[0], ROWS), (LANES, ROWS), x, w, y)
 
 
-def launch_rmsnorm(x, w, eps: float, y) -> None:
-    launch(rmsnorm, x.shape[0], THREADS, x, w, np.float32(eps), y)
+def norm_threads(n: int) -> int:
+    """The threads of a block that norms a row of n: a power of two, up to NORM_THREADS."""
+    return min(NORM_THREADS, 1 << max(0, n - 1).bit_length())
+
+
+def launch_rmsnorm(x, w, eps: float, y, d=None) -> None:
+    """y [T, H] = RMSNorm of x; given d [T, H], x += d first (in place)."""
+    launch(add_rmsnorm, x.shape[0], norm_threads(x.shape[1]), x, x if d is None else d,
+           0 if d is None else 1, w, np.float32(eps), y)
 
 
 def launch_rope(x, cos, sin, y) -> None:
@@ -100,34 +107,50 @@ def launch_silu_mul(gu, y) -> None:
     launch(silu_mul, blocks(y.shape[0] * y.shape[1], THREADS), THREADS, gu, y)
 
 
+def _top(buf) -> np.float32:
+    """What a store into a cache buffer clamps to: float16's largest, or none (numpy or torch)."""
+    return np.float32(HALF_MAX if str(buf.dtype).endswith("float16") else np.inf)
+
+
 def launch_store_kv(k_buf, v_buf, slots, k, v) -> None:
-    top = np.float32(HALF_MAX if str(k_buf.dtype).endswith("float16") else np.inf)   # numpy or torch
-    launch(store_kv, blocks(_size(k), THREADS), THREADS, k_buf, v_buf, slots, k, v, top)
+    launch(store_kv, blocks(_size(k), THREADS), THREADS, k_buf, v_buf, slots, k, v, _top(k_buf))
 
 
-def launch_attention(q, k, v, q_pos, k_pos, scale: float, window: int, score, out, empty,
+def launch_rope_store(qkv, bias, q_norm, k_norm, eps: float, cos, sin, k_buf, v_buf, slots,
+                      q) -> None:
+    """kernels.rope_store: q [T, Q, D] and the cache's new K, V rows from qkv [T, (Q + 2G) D];
+    bias, q_norm, k_norm: vectors, or empty ones for none."""
+    T, Q, D = q.shape
+    launch(rope_store, (Q + k_buf.shape[0], T), norm_threads(D), qkv, bias, q_norm, k_norm,
+           np.float32(eps), cos, sin, k_buf, v_buf, slots, _top(k_buf), q)
+
+
+def launch_attention(q, k, v, q_pos, k_pos, live, scale: float, window: int, score, out, empty,
                      chunk: int | None = None) -> None:
     """out [T, Q, D] = attention of the queries q [T, Q, D] at positions q_pos [T] (int64) over
     a float cache k, v [G, C, D] whose slots [0, S) hold positions k_pos [Gk, S] (int64; Gk: G
-    or 1); window 0: none; score [G, C] (H2O; [G, 0]: none) gets each slot's weights added.
-    empty(shape) allocates float32 scratch on the device: the scores [T, Q, S] and the splits'
-    partials, for queries in batches whose scores stay under SCORES_MAX floats (a long prompt).
-    chunk: the slots a split takes (default: attention_chunk's)."""
+    or 1), of which the first live[0] are read (live: int64 [1] on the device, which a CUDA
+    graph's replays read afresh); window 0: none; score [G, C] (H2O; [G, 0]: none) gets each
+    slot's weights added. empty(shape) allocates float32 scratch on the device: the scores
+    [T, Q, S] and the splits' partials, for queries in batches whose scores stay under
+    SCORES_MAX floats (a long prompt). chunk: the slots a split takes (default: the kernels
+    cut the live slots into attention_splits' splits)."""
     T, Q, D = q.shape
     G, S = k.shape[0], k_pos.shape[1]
     n = max(1, min(T, SCORES_MAX // max(1, Q * S), 65535))    # (65535: a grid's z limit)
-    chunk = chunk or attention_chunk(S, Q, n)
-    splits = blocks(S, chunk)
+    splits = blocks(S, chunk) if chunk else attention_splits(Q, n)
     probs, part = empty((n, Q, S)), empty((n, Q, splits, D))
     ml, stats = empty((n, Q, splits, 2)), empty((n, Q, 2))
     for a in range(0, T, n):
         b = min(T, a + n)
         probs_b, part_b, ml_b, stats_b = (x[:b - a] for x in (probs, part, ml, stats))
         launch(attention_split, (Q, splits, b - a), THREADS, q[a:b], k, v, q_pos[a:b], k_pos,
-                np.float32(scale), window, chunk, probs_b, part_b, ml_b)
-        launch(attention_combine, (Q, b - a), THREADS, part_b, ml_b, out[a:b], stats_b)
+                live, np.float32(scale), window, chunk or 0, probs_b, part_b, ml_b)
+        launch(attention_combine, (Q, b - a), THREADS, part_b, ml_b, S, live, chunk or 0,
+                out[a:b], stats_b)
         if score.shape[1] > 0:
-            launch(attention_scores, blocks(G * S, THREADS), THREADS, probs_b, stats_b, score)
+            launch(attention_scores, blocks(G * S, THREADS), THREADS, probs_b, stats_b, live,
+                    score)
 
 
 def launch_store_kv_q(store: kv_quant.QuantKV, slots, k, v) -> None:

@@ -18,8 +18,10 @@ SIM = bool(numba.config.ENABLE_CUDASIM)
 LANES = 4 if SIM else 32     # threads per output row of a GEMV (a warp: neighbouring words of
                              # a row, 128 bytes at once)
 ROWS = 2 if SIM else 8       # output rows per block of a GEMV
-THREADS = 8 if SIM else 128  # threads per block of RMSNorm and of decode attention (a power
-                             # of two: the block reductions halve it)
+THREADS = 8 if SIM else 128  # threads per block of decode attention (a power of two: the
+                             # block reductions halve it)
+NORM_THREADS = 16 if SIM else 1024   # the most threads per block of RMSNorm: a decode step's
+                             # row (4096 wide at 7B) is one block's, 4 elements a thread
 HALF_MAX = 65504.0   # the largest finite float16 (a float16 cache clamps to it, as the reference)
 
 
@@ -43,11 +45,12 @@ def clip(x, lo, hi):
 
 @cuda.jit(device=True)
 def block_reduce(part, tid, value, take_max):
-    """The sum (or, with take_max, the largest) of `value` over a block of THREADS threads, in
-    shared scratch part [THREADS]: halving strides, a barrier after each."""
+    """The sum (or, with take_max, the largest) of `value` over the block's threads (a power of
+    two of them), in shared scratch part [at least that many]: halving strides, a barrier after
+    each."""
     part[tid] = value
     cuda.syncthreads()
-    stride = THREADS // 2
+    stride = cuda.blockDim.x // 2
     while stride > 0:
         if tid < stride:
             other = part[tid + stride]

@@ -17,14 +17,16 @@ from numba import cuda, float32, float64, int64
 
 from . import launchers
 from .launchers import blocks
-from .primitives import HALF_MAX, THREADS, clip    # (THREADS: a constant where a kernel compiles)
+# (THREADS: imported, a constant where a kernel compiles)
+from .primitives import HALF_MAX, THREADS, clip, greater
 
 
 # the fields of `state` (int64): this step's position and (dense/sink) slot; the next position;
 # the tokens held; whether this step evicts (h2o); the sinks' shift (SinkCache.sink_shift) and
-# the shift they are rotated for; whether the sinks' un-rotated copies were taken
-POS, SLOT, NEXT, LENGTH, EVICT, SHIFT, ROTATED, COPIES = range(8)
-N_STATE = 8
+# the shift they are rotated for; whether the sinks' un-rotated copies were taken; the slots
+# [0, span) that attention reads (the cache's span: those in use)
+POS, SLOT, NEXT, LENGTH, EVICT, SHIFT, ROTATED, COPIES, SPAN = range(9)
+N_STATE = 9
 
 DENSE, SINK, H2O = range(3)
 
@@ -32,7 +34,8 @@ DENSE, SINK, H2O = range(3)
 @cuda.jit(cache=True)
 def begin(state, policy, n_sink, size, ring):
     """One thread: commit the last step's sink rotation, then take the next position and, for
-    dense and sink, its slot (KVCache / SinkCache.allocate for one token; slack 0)."""
+    dense and sink, its slot, and the span (KVCache / SinkCache / H2OCache.allocate for one
+    token; slack 0: h2o's slots in use are [0, length), its new token's among them)."""
     if cuda.grid(1) != 0:
         return
     if state[SHIFT] != state[ROTATED]:        # rotate_sinks ran last step: its copies exist
@@ -44,12 +47,14 @@ def begin(state, policy, n_sink, size, ring):
     if policy == DENSE:
         state[SLOT] = pos
         state[LENGTH] = pos + 1
+        state[SPAN] = greater(state[SPAN], pos + 1)
         return
     state[SLOT] = pos if pos < n_sink else n_sink + (pos - n_sink) % ring
     state[EVICT] = 1 if state[LENGTH] >= size else 0
     if state[LENGTH] < size:
         state[LENGTH] += 1
     state[SHIFT] = pos + 1 - size if pos + 1 > size else 0
+    state[SPAN] = state[LENGTH] if policy == H2O else greater(state[SPAN], state[SLOT] + 1)
 
 
 @cuda.jit(cache=True)
