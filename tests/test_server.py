@@ -804,6 +804,16 @@ def test_waiting_requests_run_in_the_order_they_arrived(served, monkeypatch):
 
 # -- the command -----------------------------------------------------------------------------------
 
+def _served_at(proc) -> str:
+    """The base URL a `tinyrt serve` process says it serves at (within 120 s)."""
+    line = ""
+    deadline = time.monotonic() + 120
+    while "serving" not in line:
+        assert time.monotonic() < deadline and proc.poll() is None, line
+        line = proc.stderr.readline()
+    return re.search(r"(http://\S+)/v1", line).group(1)
+
+
 def test_tinyrt_serve_logs_each_request_once_and_takes_strict_model(tiny):
     """`tinyrt serve`: one line on stderr for each request (uvicorn's access log does not say it
     again); --strict-model refuses another model's name and takes MODEL as given and --alias."""
@@ -812,12 +822,7 @@ def test_tinyrt_serve_logs_each_request_once_and_takes_strict_model(tiny):
                              "--strict-model"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "TINYRT_API_KEY": ""})
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while "serving" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, line
-            line = proc.stderr.readline()
-        url = re.search(r"(http://\S+)/v1", line).group(1)
+        url = _served_at(proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         r = client.chat.completions.create(model=str(tiny), messages=HI, max_tokens=3,
                                            **GREEDY)
@@ -845,12 +850,7 @@ def test_tinyrt_serve_with_the_default_model(smol):
                              "--alias", "smol"], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TINYRT_API_KEY": ""})
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while "serving" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, line
-            line = proc.stderr.readline()
-        url = re.search(r"(http://\S+/v1)", line).group(1)
+        url = _served_at(proc) + "/v1"
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         llm = tinyrt.load(smol, quiet=True)
         question = "What is the capital of France?"
