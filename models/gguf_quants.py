@@ -18,8 +18,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from numba import njit, prange
 
+from tinyrt.kernels import jit_cache
 from tinyrt.kernels.quant import QuantWeight, make
 from tinyrt.models.weights import all_finite
+
+# Numba stamps a kernel's cache as it decorates it: guarded first, the stamp is the same whatever
+# this process imported before (else a process that imported this module alone rewrote the cache).
+jit_cache.guard()
 
 QK_K = 256  # values in a K-quant super-block
 

@@ -93,8 +93,9 @@ def test_run_installs_tinyrt_over_the_machine_s_python_with_no_index(tmp_path):
     assert p.stdout.startswith("usage: gpu.py")
     venv_python = tree / ".gpu_offline_venv" / "bin" / "python"
     where = subprocess.run([venv_python, "-c", "import tinyrt, numpy; print(tinyrt.__file__)"],
-                           capture_output=True, text=True, check=True).stdout
-    assert where.startswith(str(tree / ".gpu_offline_venv"))    # the venv's, not this checkout's
+                           capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    # the venv's, not this checkout's (nor the one in the tests' working folder: `-c` looks there)
+    assert where.startswith(str(tree / ".gpu_offline_venv"))
     (tree / "tinyrt" / "__pycache__").mkdir(exist_ok=True)
     (tree / "tinyrt" / "__pycache__" / "x.pyc").write_bytes(b"x")
     p = _run(tree, sys.executable, "run", "--help")

@@ -105,3 +105,33 @@ def test_the_same_sources_written_anew_keep_their_compiled_kernels(tmp_path):
     again = attention_cache()
     assert any("data loaded" in line for line in again)
     assert not any("data saved" in line for line in again)
+
+
+HALVES = """
+import numpy as np
+{first}
+from tinyrt.models import gguf_quants
+b = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+out = np.zeros((2, 3), np.uint16)
+gguf_quants._halves(b, 0, out)
+print(int(out.sum()))
+"""
+
+
+def test_a_model_kernel_reads_the_cache_whatever_was_imported_first(tmp_path):
+    """models/gguf_quants.py compiles kernels of its own: imported alone (a test's process) or
+    after the CPU kernels (the command line's), its cache is stamped the same, so one process
+    reads what the other wrote (the stamps differed: each compiled again, a cold start's note on
+    the command line after the tests had run the same kernel)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), NUMBA_DEBUG_CACHE="1")
+
+    def halves(first):
+        r = subprocess.run([sys.executable, "-c", HALVES.format(first=first)], env=env,
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stdout.splitlines() if "gguf_quants._halves" in line]
+
+    assert any("data saved" in line for line in halves(""))
+    again = halves("import tinyrt.kernels.cpu.jit")
+    assert any("data loaded" in line for line in again), again
+    assert not any("data saved" in line for line in again), again
