@@ -58,42 +58,6 @@ def _fresh_module_rng(request, monkeypatch):
         monkeypatch.setattr(module, "rng", seeded_rng(request.node.nodeid))
 
 
-def _lock_simulated_shared_memory() -> None:
-    """Numba's CUDA simulator hands a block's threads one array per `cuda.shared.array` call
-    site, made by the first thread to get there: a check-then-store with no lock, so two
-    threads arriving together can each make their own (uninitialized) array, and the block's
-    threads then read sums that half of them never wrote. Rare at Python's default switch
-    interval, it failed a kernel test under `quick_barriers`. The same lookup under a lock,
-    keyed as the simulator keys it (the caller's file and line)."""
-    import threading
-
-    import numpy as np
-    from numba.core import types
-    from numba.cuda.simulator import kernelapi
-    from numba.np import numpy_support
-
-    lock = threading.Lock()
-    unlocked = kernelapi.FakeCUDAShared.array
-
-    def array(self, shape, dtype):
-        if shape == 0:                         # dynamic shared memory: one buffer, no lookup
-            return unlocked(self, shape, dtype)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        caller = sys._getframe(1)
-        site = (caller.f_code.co_filename, caller.f_lineno)
-        with lock:
-            a = self._allocations.get(site)
-            if a is None:
-                a = self._allocations[site] = np.empty(shape, dtype)
-        return a
-
-    kernelapi.FakeCUDAShared.array = array
-
-
-if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-    _lock_simulated_shared_memory()
-
 # A suite started in the background by a shell without job control ignores Ctrl-C (SIGINT), and
 # its children inherit that (Python then installs no KeyboardInterrupt): the tests that stop a
 # child with Ctrl-C would see it run on. A handled signal is the default again in a child.

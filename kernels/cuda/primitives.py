@@ -15,6 +15,10 @@ from .. import jit_cache
 jit_cache.guard()    # a kernel here compiles in device functions of this package's other files
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
+if SIM:
+    from .simulator import mend
+
+    mend()
 LANES = 4 if SIM else 32     # threads per output row of a GEMV (a warp: neighbouring words of
                              # a row, 128 bytes at once)
 ROWS = 2 if SIM else 8       # output rows per block of a GEMV
