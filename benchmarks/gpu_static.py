@@ -7,7 +7,7 @@ in Numba's CUDA simulator, once with 1 layer and once with 2: every Numba kernel
 counted (the simulator's kernel call is wrapped) and its argument types recorded. The
 difference is one layer's launches; the rest a token's fixed ones; at Llama-2-7B's 32 layers a
 token makes fixed + 32 per_layer launches, `launches_per_token_per_layer_7b` of them a layer
-(torch's own ops, the split-K GEMV's zeroing of its output among them, are not counted).
+(torch's own ops are not counted: tests/test_device_decode.py checks a layer runs none).
 
 Each recorded kernel is compiled to PTX by Numba's CUDA target for each --arch (default sm_90,
 an H100's, and sm_87, Jetson Orin's), then by ptxas (-v: registers, spill stores and loads).
@@ -257,7 +257,8 @@ def analyse(archs: list[str], recorded: dict) -> dict:
                 for scales in ("float16", "float32"):
                     f = getattr(t, scales)
                     sig = (a(t.float32), a(t.int64), a(t.int64), a(f), a(f), t.int64, t.int64,
-                           t.int64, a(t.float32))
+                           t.int64, t.int64, a(t.float32), t.Array(t.float32, 2, "C"),
+                           a(t.int32))
                     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
                     name = f"q{bits}_gemv_{scales}"
                     stats, cubin = assemble(ptx, arch, work, name)

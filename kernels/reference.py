@@ -190,6 +190,12 @@ class ReferenceBackend:
     linear = staticmethod(linear)
     rope = staticmethod(rope)
 
+    def gated(self, h, w, gelu: bool):
+        """A gated MLP's hidden activations: gelu(gate) * up (Gemma's GeGLU) or silu(gate) * up
+        (SwiGLU) of h's projection by w, its fused gate|up weight [2I, H] (gate first)."""
+        gu = self.linear(h, w)
+        return self.geglu(gu) if gelu else self.swiglu(gu)
+
     @staticmethod
     def swiglu(gu: np.ndarray) -> np.ndarray:
         """silu(gate) * up of the fused gate/up projection's output gu [T, 2I] (gate first)."""

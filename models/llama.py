@@ -236,8 +236,7 @@ class LlamaModel:
     @staticmethod
     def mlp(be, cfg: ModelConfig, L: Layer, h):
         """The gated MLP of layer L (SwiGLU; Gemma's GeGLU) for normed inputs h [T, H] -> [T, H]."""
-        gu = be.linear(h, L.gate_up)
-        return be.linear(be.geglu(gu) if cfg.geglu else be.swiglu(gu), L.down)
+        return be.linear(be.gated(h, L.gate_up, cfg.geglu), L.down)
 
     @classmethod
     def layer(cls, be, cfg: ModelConfig, L: Layer, x, cos, sin, attend: Attend):

@@ -138,11 +138,11 @@ def test_device_steps_read_only_the_slots_in_use(family, policy, name):
         assert np.isfinite(model.backend.to_numpy(a)[:, :, :9]).all()
 
 
-def _launches(tmp_path, layers: int) -> tuple[int, int, int]:
+def _launches(tmp_path, layers: int) -> tuple[int, int]:
     """Kernels that one device decode step launches, for a 4-bit model of `layers` layers of
     Llama-2-7B's structure (RMSNorm, fused q|k|v, RoPE, multi-head attention over a float16
-    cache, o, SwiGLU; tiny): those Numba launches, torch ops that run a kernel (not a view, not
-    an allocation), and of those the zeroing of a split-K GEMV's output."""
+    cache, o, SwiGLU; tiny), every GEMV split-K (as most of 7B's are): those Numba launches,
+    and the torch ops that run a kernel (not a view, not an allocation)."""
     import torch
     from numba.cuda.simulator.kernel import FakeCUDAKernel
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -150,6 +150,7 @@ def _launches(tmp_path, layers: int) -> tuple[int, int, int]:
     from helpers import write_tiny_model
     from tinyrt.converters import convert
     from tinyrt.kernels import get_backend
+    from tinyrt.kernels.cuda import launchers
     from tinyrt.kv_cache import make_cache
     from tinyrt.models import load_model
 
@@ -160,6 +161,7 @@ def _launches(tmp_path, layers: int) -> tuple[int, int, int]:
     model = load_model(d, get_backend("cuda"))
     cache = make_cache(CacheOptions("dense", 16, "f16"), model)
     dec, tok = _decoder(model, cache, [5, 6, 7])
+    assert launchers.SPLIT_BELOW > 2      # (a row block or two a GEMV here: all split)
     numba, ops = [], []
     free = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
 
@@ -184,18 +186,19 @@ def _launches(tmp_path, layers: int) -> tuple[int, int, int]:
             dec.step(tok)
     finally:
         FakeCUDAKernel.__call__ = call
-    return len(numba), len(ops), sum(op in ("fill_", "zero_") for op in ops)
+    return len(numba), len(ops)
 
 
-def test_a_decode_step_launches_at_most_10_kernels_a_layer(tmp_path):
-    """Kernel launches a layer of a device decode step at Llama-2-7B's structure, counted where
-    Numba launches a kernel (a model of 2 layers against one of 1): at most 10 (the ops one by
-    one: 12, and 2 torch adds); and no torch op runs in a layer but a split-K GEMV's zeroing of
-    its output (a torch fill; none at these shapes)."""
-    (n2, t2, z2), (n1, t1, z1) = _launches(tmp_path, 2), _launches(tmp_path, 1)
-    numba, torch_ops, zeroing = n2 - n1, t2 - t1, z2 - z1
-    assert numba <= 10, f"{numba} Numba launches a layer"
-    assert torch_ops == zeroing, f"{torch_ops} torch ops a layer, {zeroing} of them zeroing"
+def test_a_decode_step_launches_at_most_10_kernels_a_layer_at_7b(tmp_path):
+    """Kernel launches of a device decode step at Llama-2-7B's structure, counted where Numba
+    launches a kernel (a model of 2 layers against one of 1: a layer's, and the rest a token's):
+    at most 10 a layer over 7B's 32 layers, the token's own launches included (the ops one by
+    one: 12 a layer and 2 torch adds; then 10, and a torch zeroing of each split-K GEMV's
+    output); no torch op runs in a layer."""
+    (n2, t2), (n1, t1) = _launches(tmp_path, 2), _launches(tmp_path, 1)
+    numba, fixed = n2 - n1, n1 - (n2 - n1)
+    assert (fixed + 32 * numba) / 32 <= 10, f"{numba} Numba launches a layer, {fixed} a token"
+    assert t2 - t1 == 0, f"{t2 - t1} torch ops a layer"
 
 
 @pytest.mark.parametrize("params", [

@@ -484,22 +484,23 @@ for name, sig in sigs.items():
 
 def test_q_gemv_compiles_for_the_gpu():
     """The GEMVs' hardware branches, which the simulator does not run, compiled to PTX for a
-    Hopper GPU: the lanes' sums by warp shuffles, the barriers of x's staging, the split-K's
-    atomic add, and no int-to-float conversion of a code (see gemv._chunk_dot); q_dequantize
-    compiles too. Where no CUDA compiler (NVVM) is installed, nothing to check."""
+    Hopper GPU: the lanes' sums by warp shuffles, the barriers of x's staging, split-K's fence
+    before its count of the splits done and its sums read as atomics, and no int-to-float
+    conversion of a code (see gemv._chunk_dot); q_dequantize compiles too. Where no CUDA compiler (NVVM) is installed, nothing to check."""
     out = _compile_for_the_gpu(r"""
 from tinyrt.kernels.cuda import gemv
 for kernel in (gemv.q4_gemv, gemv.q8_gemv):
     for f in (t.float16, t.float32):
         ptx, _ = cuda.compile_ptx(kernel.py_func, (a(t.float32, 1), a(t.int64, 1), a(t.int64, 1),
-                                  a(f, 1), a(f, 1), t.int64, t.int64, t.int64, a(t.float32, 1)),
-                                  cc=(9, 0))
-        ops = ('shfl.sync', 'bar.sync', 'atom.global.add.f32', 'cvt.rn.f32.s')
+                                  a(f, 1), a(f, 1), t.int64, t.int64, t.int64, t.int64,
+                                  a(t.float32, 1), a(t.float32, 2), a(t.int32, 1)), cc=(9, 0))
+        ops = ('shfl.sync', 'bar.sync', 'membar.gl', 'atom.global.add.u32',
+               'atom.global.add.f32', 'cvt.rn.f32.s')
         print(*(int(op in ptx) for op in ops))
         cuda.compile_ptx(gemv.q_dequantize.py_func, (a(t.int64, 1), a(f, 1), a(f, 1), t.int64,
                          t.int64, t.int64, a(t.float32, 2)), cc=(9, 0))
 """)
-    assert out.split() == ["1", "1", "1", "0"] * 4, out
+    assert out.split() == ["1", "1", "1", "1", "1", "0"] * 4, out
 
 
 @pytest.mark.parametrize("policy, kind, family", [

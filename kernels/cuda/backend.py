@@ -12,7 +12,7 @@ from .gemv import GpuQuant, repack
 from .launchers import (launch_attention, launch_attention_decode_q, launch_dequantize_kv,
                         launch_gemv, launch_q_dequantize, launch_q_gemv, launch_rmsnorm,
                         launch_rope, launch_rope_store, launch_silu_mul, launch_store_kv,
-                        launch_store_kv_q)
+                        launch_store_kv_q, split_sums)
 from .primitives import LANES, SIM
 
 
@@ -42,6 +42,7 @@ class CudaBackend(reference.ReferenceBackend):
         self._types = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
                        np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                        np.dtype(np.uint8): torch.uint8}
+        self._sums = None        # the split-K GEMVs' scratch (launchers.SplitSums), at load
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -78,6 +79,8 @@ class CudaBackend(reference.ReferenceBackend):
             w = quant.concat(parts)
             w = quant.flat(w, 4 if w.bits == 4 else 8)
             codes, scale, offset = repack(w, LANES)
+            if self._sums is None or self._sums.parts.shape[1] < w.shape[0]:
+                self._sums = split_sums(self.zeros, w.shape[0])    # (before any graph)
             return GpuQuant(self.dev(codes, np.int64), self.dev(scale, scale.dtype),
                             self.dev(offset, offset.dtype), w.bits, w.shape[1], LANES,
                             w.group_size)
@@ -107,7 +110,7 @@ class CudaBackend(reference.ReferenceBackend):
         if isinstance(w, GpuQuant):
             if T == 1:
                 y = self.empty((1, w.shape[0]))
-                launch_q_gemv(x[0], w, y[0])
+                launch_q_gemv(x[0], w, y[0], self._sums)
                 return y
             w_t = self.empty((w.shape[1], w.shape[0]))
             launch_q_dequantize(w, w_t)
@@ -117,6 +120,13 @@ class CudaBackend(reference.ReferenceBackend):
             launch_gemv(x[0], w, y[0])
             return y
         return self._matmul(x, w.T)
+
+    def gated(self, h, w, gelu: bool):
+        if isinstance(w, GpuQuant) and h.shape[0] == 1:      # a decode step: one launch
+            y = self.empty((1, w.shape[0] // 2))
+            launch_q_gemv(self.dev(h)[0], w, y[0], self._sums, "gelu" if gelu else "silu")
+            return y
+        return super().gated(h, w, gelu)
 
     def rmsnorm(self, x, w, eps):
         x = self.dev(x)

@@ -8,6 +8,7 @@ benchmarks/gpu_static.py counts the SASS of its inner loop (docs/GPU.md has the 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -165,55 +166,103 @@ def _row_dot_bounded(x, codes, scale, offset, o, lane, first, last, n_in, g, bit
 
 
 @cuda.jit(device=True, inline=True)
-def _q_gemv(x, x2, codes, scale, offset, n_in, g, shift, y, xs, bits):
+def _q_gemv(x, x2, codes, scale, offset, n_in, g, shift, act, y, parts, arrived, xs, bits):
     lane, r = cuda.threadIdx.x, cuda.threadIdx.y
-    o = (cuda.blockIdx.x * ROWS + r) * ROWS_PER_WARP
-    out = y.shape[0]
+    n_out = y.shape[0]
+    # A warp's two rows: outputs o and o + 1, or (act: a gated MLP's fused gate|up layer of 2
+    # n_out rows) output o's gate and up rows, o and o + n_out.
+    if act == 0:
+        o = (cuda.blockIdx.x * ROWS + r) * ROWS_PER_WARP
+        ra, rb, ok_a, ok_b, rows = o, o + 1, o < n_out, o + 1 < n_out, n_out
+    else:
+        o = cuda.blockIdx.x * ROWS + r
+        ra, rb, ok_a, ok_b, rows = o, o + n_out, o < n_out, o < n_out, 2 * n_out
     per = 64 // bits
     tiles = (n_in + LANES * per - 1) // (LANES * per)
     share = (tiles + cuda.gridDim.y - 1) // cuda.gridDim.y
     first = cuda.blockIdx.y * share
     last = lesser(first + share, tiles)
     if shift >= 0:
-        # every warp takes part in the staging: one past the last row reads the last row
-        acc0, acc1 = _rows_dot(x, x2, codes, scale, offset, lesser(o, out - 1),
-                               lesser(o + 1, out - 1), lane, first, last, n_in, g, shift, xs,
+        # every warp takes part in the staging: a warp past the last row reads the last row
+        acc0, acc1 = _rows_dot(x, x2, codes, scale, offset, lesser(ra, rows - 1),
+                               lesser(rb, rows - 1), lane, first, last, n_in, g, shift, xs,
                                bits)
     else:
-        acc0 = _row_dot_bounded(x, codes, scale, offset, o, lane, first, last, n_in, g, bits)
-        acc1 = _row_dot_bounded(x, codes, scale, offset, o + 1, lane, first, last, n_in, g,
-                                bits)
+        acc0 = _row_dot_bounded(x, codes, scale, offset, ra, lane, first, last, n_in, g, bits)
+        acc1 = _row_dot_bounded(x, codes, scale, offset, rb, lane, first, last, n_in, g, bits)
     total0 = _warp_sum(acc0, lane, r) * _pow2(_DOWN)
     total1 = _warp_sum(acc1, lane, r) * _pow2(_DOWN)
-    if lane == 0:
-        _put(y, o, total0)
-        _put(y, o + 1, total1)
+    if cuda.gridDim.y == 1:
+        if lane == 0:
+            _write(y, act, o, total0, total1)
+        return
+    # Split-K: each split's block leaves its sums in parts, and the last of a row block's
+    # splits to finish adds them up in split order (the same float sum whichever finished
+    # last) and writes y. No zeroed y, so no launch before this one to zero it.
+    if lane == 0 and ok_a:
+        parts[cuda.blockIdx.y, ra] = total0
+    if lane == 0 and ok_b:
+        parts[cuda.blockIdx.y, rb] = total1
+    cuda.threadfence()              # the sums reach L2 before the count says they are there
+    cuda.syncthreads()
+    done = cuda.shared.array(1, int32)
+    if lane == 0 and r == 0:
+        done[0] = cuda.atomic.add(arrived, cuda.blockIdx.x, 1) == cuda.gridDim.y - 1
+    cuda.syncthreads()
+    if done[0]:
+        if lane == 0:
+            _write(y, act, o, _split_sum(parts, ra) if ok_a else float32(0),
+                   _split_sum(parts, rb) if ok_b else float32(0))
+        if lane == 0 and r == 0:
+            arrived[cuda.blockIdx.x] = 0        # ready for the next launch
 
 
 @cuda.jit(device=True, inline=True)
-def _put(y, o, total):
-    if o < y.shape[0]:
-        if cuda.gridDim.y == 1:
-            y[o] = total
-        else:               # two addends into 0: the same float sum in either order
-            cuda.atomic.add(y, o, total)
+def _split_sum(parts, o):
+    """The splits' sums of row o in split order, read as atomics (from L2: another SM's
+    writes, which this SM's L1 may hold stale from an earlier launch)."""
+    total = float32(0)
+    for k in range(cuda.gridDim.y):
+        total += cuda.atomic.add(parts, (k, o), float32(0))
+    return total
+
+
+@cuda.jit(device=True, inline=True)
+def _write(y, act, o, total0, total1):
+    """A warp's outputs: its two rows' sums as outputs o and o + 1 (act 0), or output o as
+    silu(gate) * up (1) or gelu(gate) * up (2, GELU's tanh form: Gemma's GeGLU)."""
+    if act == 0:
+        if o < y.shape[0]:
+            y[o] = total0
+        if o + 1 < y.shape[0]:
+            y[o + 1] = total1
+    elif o < y.shape[0]:
+        if act == 1:
+            gate = total0 / (float32(1) + math.exp(lesser(-total0, float32(88))))
+        else:
+            inner = float32(0.7978845608028654) * (total0 + float32(0.044715) * total0 * total0 * total0)
+            gate = float32(0.5) * total0 * (float32(1) + math.tanh(inner))
+        y[o] = gate * total1
 
 
 @cuda.jit(cache=True)
-def q4_gemv(x, x2, codes, scale, offset, n_in, g, shift, y):
+def q4_gemv(x, x2, codes, scale, offset, n_in, g, shift, act, y, parts, arrived):
     """y [out] = x [n_in] @ W.T for a GpuQuant of 4-bit codes (its flat arrays); x2: x's int64
     view. Block (LANES, ROWS): a warp per two output rows, lane `lane` reading chunk `lane` of
     each tile (repack). Grid (row pairs' blocks, splits): split k sums the k-th share of the
-    tiles (split-K); with 2 it adds into y, zeroed by the launcher. shift: group_shift's."""
+    tiles (split-K) into parts [splits, >= W's rows] float32, and arrived [>= row blocks] int32
+    (0 between launches, left 0) counts a row block's splits done. shift: group_shift's. act
+    1 or 2: W is a gated MLP's gate|up, and y [out / 2] its activation (_write), a warp per
+    output (its gate and up rows)."""
     xs = cuda.shared.array(_XS4, int64)
-    _q_gemv(x, x2, codes, scale, offset, n_in, g, shift, y, xs, 4)
+    _q_gemv(x, x2, codes, scale, offset, n_in, g, shift, act, y, parts, arrived, xs, 4)
 
 
 @cuda.jit(cache=True)
-def q8_gemv(x, x2, codes, scale, offset, n_in, g, shift, y):
+def q8_gemv(x, x2, codes, scale, offset, n_in, g, shift, act, y, parts, arrived):
     """q4_gemv for 8-bit codes."""
     xs = cuda.shared.array(_XS8, int64)
-    _q_gemv(x, x2, codes, scale, offset, n_in, g, shift, y, xs, 8)
+    _q_gemv(x, x2, codes, scale, offset, n_in, g, shift, act, y, parts, arrived, xs, 8)
 
 
 def group_shift(bits: int, g: int) -> int:

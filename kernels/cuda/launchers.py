@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -69,18 +70,53 @@ def _pairs(x):
     return (x if x.storage_offset() % 2 == 0 else x.clone())[:n].view(torch.int64)
 
 
-def launch_q_gemv(x, w, y) -> None:
-    """y [out] = x [in] @ W.T for a GpuQuant w; y a torch tensor or a NumPy array."""
+class SplitSums(NamedTuple):
+    """Where a split-K GEMV's blocks leave their sums for the last of them to add up (one for
+    every GEMV of a stream: they run one after another)."""
+
+    parts: object        # float32 [SPLITS, most outputs]
+    arrived: object      # int32 [most row blocks]: 0 between launches (the kernel leaves it so)
+
+
+SPLITS = 2
+
+
+def split_sums(zeros, most_out: int) -> SplitSums:
+    """SplitSums for GEMVs of up to most_out outputs; zeros(shape, dtype) allocates (the
+    backend's, on the device)."""
+    return SplitSums(zeros((SPLITS, most_out), np.float32),
+                     zeros((blocks(most_out, ROWS_PER_WARP * ROWS),), np.int32))
+
+
+ACTS = {None: 0, "silu": 1, "gelu": 2}     # the GEMV's act: y as it is, or a gated MLP's
+
+
+def launch_q_gemv(x, w, y, sums: SplitSums | None = None, act: str | None = None) -> None:
+    """y [out] = x [in] @ W.T for a GpuQuant w; y a torch tensor or a NumPy array. With act
+    ("silu", "gelu"), w a gated MLP's fused gate|up [2I, in] and y [I] = act(gate) * up. sums:
+    the split-K GEMV's scratch (a fresh one, zeroed, if not given)."""
     _lanes(w)
-    rows = blocks(w.shape[0], ROWS_PER_WARP * ROWS)
-    splits = 2 if rows < SPLIT_BELOW and width(w.bits, w.n_in, LANES) >= 2 * LANES else 1
-    if splits == 2:
-        # the halves are added into y atomically: 0 + a + b is the same float in either order,
-        # so y is deterministic (with more splits it would not be). Torch zeroes it on its
-        # current stream, before the kernel there.
-        y[...] = 0
+    if act is not None and 2 * y.shape[0] != w.shape[0]:
+        raise ValueError(f"gated GEMV of {w.shape[0]} rows into {y.shape[0]} outputs")
+    rows = blocks(y.shape[0], ROWS) if act else blocks(w.shape[0], ROWS_PER_WARP * ROWS)
+    splits = SPLITS if rows < SPLIT_BELOW and width(w.bits, w.n_in, LANES) >= 2 * LANES else 1
+    if sums is None:
+        sums = split_sums(lambda shape, dtype: _zeros_like(y, shape, dtype), w.shape[0])
+    if sums.parts.shape[1] < w.shape[0]:
+        raise ValueError(f"split sums for {sums.parts.shape[1]} outputs, not {w.shape[0]}")
     launch(q4_gemv if w.bits == 4 else q8_gemv, (rows, splits), (LANES, ROWS), x, _pairs(x),
-           w.codes, w.scale, w.offset, w.n_in, w.group, group_shift(w.bits, w.group), y)
+           w.codes, w.scale, w.offset, w.n_in, w.group, group_shift(w.bits, w.group), ACTS[act],
+           y, sums.parts, sums.arrived)
+
+
+def _zeros_like(a, shape, dtype):
+    """Zeros where `a` lives (a NumPy array or a torch tensor)."""
+    if isinstance(a, np.ndarray):
+        return np.zeros(shape, dtype)
+    import torch
+
+    return torch.zeros(shape, dtype=torch.float32 if dtype == np.float32 else torch.int32,
+                       device=a.device)
 
 
 def launch_gemv(x, w, y) -> None:
