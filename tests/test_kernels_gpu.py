@@ -681,3 +681,58 @@ for line in json.load(open(sys.argv[1])):
         print(name, str(e).splitlines()[0][:300])
 """, str(tmp_path / "launches.json"))
     assert not out, out
+
+
+DEVICE_MODULE = '''
+import threading, time
+from numba import cuda
+
+entered, inside = threading.Event(), threading.Event()
+
+
+@cuda.jit(device=True)
+def late_lane(first):
+    if first:                   # in first: wait here until the other thread is in too
+        entered.set()
+        inside.wait(5)
+    else:                       # in second: still inside after the first thread has left
+        inside.set()
+        time.sleep(0.2)
+    return cuda.threadIdx.x     # (`cuda` read again, after the first thread returned)
+'''
+
+KERNEL_MODULE = '''
+from numba import cuda
+import simdev
+
+
+@cuda.jit
+def lanes(out):
+    i = cuda.threadIdx.x
+    if i == 1:
+        simdev.entered.wait(5)
+    out[i] = simdev.late_lane(i == 0)
+'''
+
+
+@pytest.mark.skipif(not primitives.SIM, reason="(the simulator's own race: on a GPU, no Python "
+                    "threads to race)")
+def test_the_simulator_keeps_cuda_simulated_in_a_device_function_s_module(tmp_path, monkeypatch):
+    """A device function of another module than its kernel's, the first of two threads leaving it
+    while the second is still inside: the simulator pointed that module's `cuda` back at the real
+    module when the first left, and the second then failed (no threadIdx there; in a warp sum, no
+    syncthreads); mended, it stays simulated until the launch ends, then is real again."""
+    import sys
+
+    import numba
+
+    (tmp_path / "simdev.py").write_text(DEVICE_MODULE)
+    (tmp_path / "simkernel.py").write_text(KERNEL_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import simkernel
+
+    out = np.full(2, -1, np.int64)
+    simkernel.lanes[1, 2](out)
+    assert out.tolist() == [0, 1]
+    assert sys.modules["simdev"].cuda is numba.cuda and simkernel.cuda is numba.cuda
+    assert kernels.cuda is numba.cuda

@@ -10,8 +10,11 @@ check-then-act with no lock:
   `cuda` while the block's other threads were still inside (`module 'numba.cuda' has no attribute
   'syncthreads'`, seen in a warp sum).
 
-`mend()` puts both under a lock: the array made once per site; a module's `cuda` swapped by the
-first thread in and restored by the last one out. Only ever called in the simulator."""
+`mend()`: the array made once per site, under a lock; and a kernel's launch points `cuda` at the
+simulated module in every module of this package (and any other whose device function it calls)
+until the launch ends, so a device function's call changes nothing (a lock there, taken twice a
+call, made kernels of many small calls several times slower). Only ever called in the simulator.
+"""
 
 from __future__ import annotations
 
@@ -22,29 +25,37 @@ from contextlib import contextmanager
 import numpy as np
 
 _lock = threading.Lock()
-_swapped: dict[int, list] = {}     # id(a module's globals) -> [threads inside, its own values]
+_PACKAGE = __name__.rpartition(".")[0] + "."
+_launch: list | None = None     # while a kernel runs: (a module's globals, its own values)
+
+
+def _swap(globs: dict, cuda, fake) -> None:
+    own = {k: v for k, v in globs.items() if v is cuda}
+    if own:
+        globs.update(dict.fromkeys(own, fake))
+        _launch.append((globs, own))
 
 
 @contextmanager
 def _swapped_cuda_module(fn, fake):
+    global _launch
     from numba import cuda
 
-    globs = fn.__globals__
-    with _lock:
-        entry = _swapped.get(id(globs))
-        if entry is None:
-            own = {k: v for k, v in globs.items() if v is cuda}
-            entry = _swapped[id(globs)] = [0, own]
-            globs.update(dict.fromkeys(own, fake))
-        entry[0] += 1
+    if _launch is not None:           # a device function's call, within a launch
+        _swap(fn.__globals__, cuda, fake)       # (nothing to do for this package's)
+        yield
+        return
+    _launch = []
     try:
+        _swap(fn.__globals__, cuda, fake)
+        for name, module in list(sys.modules.items()):
+            if name.startswith(_PACKAGE) and module is not None:
+                _swap(module.__dict__, cuda, fake)
         yield
     finally:
-        with _lock:
-            entry[0] -= 1
-            if entry[0] == 0:
-                globs.update(entry[1])
-                del _swapped[id(globs)]
+        for globs, own in reversed(_launch):
+            globs.update(own)
+        _launch = None
 
 
 def _array(self, shape, dtype):
