@@ -26,7 +26,7 @@ def gemv_error(out: int, n_in: int, bits: int, g: int, form: str, split: bool, r
     x = rng.standard_normal(n_in).astype(np.float32)
     y = be.dev(np.full(out, np.nan, np.float32))
     monkeypatch.setattr(launchers, "SPLIT_BELOW", 10 ** 9 if split else 0)
-    launchers.launch_q_gemv(be.dev(x), be.prepare_linear([w]), y, act=act)
+    launchers.launch_q_gemv(be.dev(x), be.prepare_linear([w]), y, be._sums, act)
     want = ref.linear(x[None], quant.dequantize(w))
     if act:
         want = ref.ReferenceBackend.geglu(want) if act == "gelu" else ref.ReferenceBackend.swiglu(want)

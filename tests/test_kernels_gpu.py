@@ -59,7 +59,7 @@ def test_repack_round_trip(bits, n_in, lanes, g):
 def check_q_gemv(w, be, arrays):
     """launch_q_gemv and launch_q_dequantize of w (a kernels.quant layer) prepared by the backend,
     its arrays and the launchers' as torch tensors or (arrays="numpy") NumPy arrays, on a fresh
-    x; y and dst start as NaN (every output written, the split-K's zeroed first)."""
+    x; y and dst start as NaN (every output written)."""
     out, n_in = w.shape
     dev = be.prepare_linear([w])
     assert dev.shape == (out, n_in)
@@ -68,9 +68,11 @@ def check_q_gemv(w, be, arrays):
     if arrays == "numpy":
         dev = dev._replace(codes=be.to_numpy(dev.codes), scale=be.to_numpy(dev.scale),
                            offset=be.to_numpy(dev.offset))
+        sums = launchers.split_sums(np.zeros, out)
     else:
         x, y, w_t = be.dev(x), be.dev(y), be.dev(w_t)
-    launchers.launch_q_gemv(x, dev, y)
+        sums = be._sums
+    launchers.launch_q_gemv(x, dev, y, sums)
     assert rel_err(be.to_numpy(y), ref.linear(be.to_numpy(x)[None], quant.dequantize(w))[0]) < 1e-5
     launchers.launch_q_dequantize(dev, w_t)
     assert np.allclose(be.to_numpy(w_t), quant.dequantize(w).T, rtol=1e-6, atol=1e-7)

@@ -91,32 +91,20 @@ def split_sums(zeros, most_out: int) -> SplitSums:
 ACTS = {None: 0, "silu": 1, "gelu": 2}     # the GEMV's act: y as it is, or a gated MLP's
 
 
-def launch_q_gemv(x, w, y, sums: SplitSums | None = None, act: str | None = None) -> None:
+def launch_q_gemv(x, w, y, sums: SplitSums, act: str | None = None) -> None:
     """y [out] = x [in] @ W.T for a GpuQuant w; y a torch tensor or a NumPy array. With act
     ("silu", "gelu"), w a gated MLP's fused gate|up [2I, in] and y [I] = act(gate) * up. sums:
-    the split-K GEMV's scratch (a fresh one, zeroed, if not given)."""
+    the split-K GEMV's scratch (split_sums), where x and y are."""
     _lanes(w)
     if act is not None and 2 * y.shape[0] != w.shape[0]:
         raise ValueError(f"gated GEMV of {w.shape[0]} rows into {y.shape[0]} outputs")
     rows = blocks(y.shape[0], ROWS) if act else blocks(w.shape[0], ROWS_PER_WARP * ROWS)
     splits = SPLITS if rows < SPLIT_BELOW and width(w.bits, w.n_in, LANES) >= 2 * LANES else 1
-    if sums is None:
-        sums = split_sums(lambda shape, dtype: _zeros_like(y, shape, dtype), w.shape[0])
     if sums.parts.shape[1] < w.shape[0]:
         raise ValueError(f"split sums for {sums.parts.shape[1]} outputs, not {w.shape[0]}")
     launch(q4_gemv if w.bits == 4 else q8_gemv, (rows, splits), (LANES, ROWS), x, _pairs(x),
            w.codes, w.scale, w.offset, w.n_in, w.group, group_shift(w.bits, w.group), ACTS[act],
            y, sums.parts, sums.arrived)
-
-
-def _zeros_like(a, shape, dtype):
-    """Zeros where `a` lives (a NumPy array or a torch tensor)."""
-    if isinstance(a, np.ndarray):
-        return np.zeros(shape, dtype)
-    import torch
-
-    return torch.zeros(shape, dtype=torch.float32 if dtype == np.float32 else torch.int32,
-                       device=a.device)
 
 
 def launch_gemv(x, w, y) -> None:

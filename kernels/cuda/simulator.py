@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-_lock = threading.Lock()
+_lock = threading.Lock()            # (the shared arrays')
 _PACKAGE = __name__.rpartition(".")[0] + "."
 _launch: list | None = None     # while a kernel runs: (a module's globals, its own values)
 
@@ -79,7 +79,8 @@ _unlocked_array = None
 
 
 def mend() -> None:
-    """Both lookups under the lock (idempotent)."""
+    """The shared arrays made under the lock, the modules' `cuda` held for a launch
+    (idempotent)."""
     global _unlocked_array
     from numba.cuda.simulator import kernel, kernelapi
 
