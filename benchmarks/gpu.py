@@ -89,6 +89,15 @@ def _normal(rng, shape, std, rows=4096):
         yield (x * std).astype(np.float16)
 
 
+def centred(raw: bytes) -> np.ndarray:
+    """Random bytes as int32 words of 4-bit codes, each code 0 made 8: codes of mean 8, the zero
+    point. (Uniform codes have 7.5, a bias that every output sums: a random model's hidden states
+    then share one direction, and its greedy tokens hardly change.)"""
+    lo, hi = np.arange(256, dtype=np.uint8) & 15, np.arange(256, dtype=np.uint8) >> 4
+    lut = np.where(hi == 0, 8, hi) << 4 | np.where(lo == 0, 8, lo)
+    return lut.astype(np.uint8)[np.frombuffer(raw, np.uint8)].view(np.int32)
+
+
 def model_tensors(s: dict, seed: int = 0) -> list:
     """(name, safetensors dtype, shape, chunks) of every tensor of an AWQ model of shape s; the
     chunks are generators, run as the file is written."""
@@ -108,7 +117,7 @@ def model_tensors(s: dict, seed: int = 0) -> list:
         sh = awq_layout.shapes(inp, out, AWQ["group_size"])
         words = math.prod(sh["qweight"])
         return [(f"{name}.qweight", "I32", sh["qweight"], _once(
-                    lambda: np.frombuffer(rng.bytes(4 * words), np.int32).reshape(sh["qweight"]))),
+                    lambda: centred(rng.bytes(4 * words)).reshape(sh["qweight"]))),
                 (f"{name}.qzeros", "I32", sh["qzeros"],
                  _once(lambda: np.full(sh["qzeros"], ZERO8))),
                 (f"{name}.scales", "F16", sh["scales"], _once(
@@ -445,6 +454,8 @@ def main() -> int:
         m["tinyrt"], shape = guarded(name, "tinyrt", bench_tinyrt, path, args, contexts), None
         if isinstance(m["tinyrt"], tuple):
             m["tinyrt"], shape = m["tinyrt"]
+            if args.json:     # (on stderr now: they stand if the peer's run is cut short)
+                print(f"{name}: tinyrt: {json.dumps(m['tinyrt'])}", file=sys.stderr, flush=True)
         elif name != "default":
             shape = dict(shapes[name], tie_word_embeddings=False)
         m["shape"], m["params"] = shape, shape and hf_params(shape)

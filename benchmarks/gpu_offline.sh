@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/gpu_offline.sh prepare         # here, with a network: fills .gpu_offline/
 #   bash benchmarks/gpu_offline.sh run [ARGS]      # there: python benchmarks/gpu.py ARGS
+#   bash benchmarks/gpu_offline.sh check [ARGS]    # there: python benchmarks/gpu_check.py ARGS
+#   bash benchmarks/gpu_offline.sh first DIR       # there: the first minutes' checklist (below)
 #
 # prepare: a wheel of tinyrt built from the working tree, and a wheelhouse of the py3-none-any
 #   wheels of its dependencies (binary ones are left out: the machine has them, built for it),
@@ -12,7 +14,7 @@
 # run: a venv over ${PYTHON:-python3}'s packages (--system-site-packages: the machine's torch,
 #   numba and numpy as they are; nothing it has is installed again) in .gpu_offline_venv/,
 #   tinyrt installed from .gpu_offline/ with pip --no-index (pip takes only what is missing),
-#   then benchmarks/gpu.py ARGS with that venv's python. Sources changed since prepare are
+#   then benchmarks/gpu.py ARGS with that venv's python (check: gpu_check.py). Sources changed since prepare are
 #   built there again if that Python has setuptools, and refused if not.
 set -euo pipefail
 
@@ -32,7 +34,8 @@ cleanup() { if [[ -n "$TMP" ]]; then rm -rf -- "$TMP"; TMP=""; fi; }
 trap cleanup EXIT
 
 usage() {
-    echo "usage: bash benchmarks/gpu_offline.sh prepare | run [benchmarks/gpu.py's options]" >&2
+    echo "usage: bash benchmarks/gpu_offline.sh prepare | run [gpu.py's options]" \
+         "| check [gpu_check.py's options] | first DIR [MODEL] [--smoke]" >&2
     exit 2
 }
 
@@ -139,7 +142,8 @@ EOF
         "$(paste -sd' ' "$OFF/needed-on-the-machine.txt")"
 }
 
-run() {
+# tinyrt installed in .gpu_offline_venv/ over $PY's packages, from .gpu_offline/ (once per sources).
+installed() {
     [[ -f "$OFF/sources.sha256" ]] || die "no .gpu_offline/ in $ROOT: run" \
         "'bash benchmarks/gpu_offline.sh prepare' where there is a network, and bring it along"
     command -v "$PY" >/dev/null || die "no Python $PY (set PYTHON to the machine's)"
@@ -157,7 +161,54 @@ run() {
     fi
     cleanup
     cd "$ROOT"
-    exec "$VENV/bin/python" benchmarks/gpu.py "$@"
+}
+
+# A GPU machine's first minutes (docs/GPU.md) in one command of under 10 minutes: gpu.py on one
+# model (the figures first: a step that overruns then costs the least), gpu_check.py on it
+# (greedy tokens against the CPU path, a profile of the step), then the kernel tests; each step
+# stopped at its limit, its output in DIR/STEP.out and .err, and a line a step on stderr.
+# The tests: those of the CUDA kernels and the device's decode step, or $GPU_TESTS. --smoke: the
+# same steps without a GPU (toy models on the CPU device and in Numba's CUDA simulator).
+first() {
+    [[ $# -ge 1 && $# -le 3 ]] || usage
+    local dir=$1 model=llama2-7b smoke=""
+    shift
+    for a in "$@"; do
+        if [[ "$a" == --smoke ]]; then smoke=1; else model=$a; fi
+    done
+    mkdir -p -- "$dir" 2>/dev/null && dir=$(cd -- "$dir" && pwd -P) || die "no folder $dir"
+    local -a tests
+    local ours="tests/test_gemv_gpu.py tests/test_kernels_gpu.py tests/test_device_decode.py"
+    read -r -a tests <<<"${GPU_TESTS:-$ours}"
+    installed
+    local py="$VENV/bin/python" failed=0
+    if [[ -n "$smoke" ]]; then
+        step 270 "$dir" gpu "$py" benchmarks/gpu.py --models "$model" --device cpu --smoke --json
+        step 150 "$dir" check "$py" benchmarks/gpu_check.py --model "$model" --smoke --json
+    else
+        step 270 "$dir" gpu "$py" benchmarks/gpu.py --models "$model" --json
+        step 150 "$dir" check "$py" benchmarks/gpu_check.py --model "$model" --json
+    fi
+    step 140 "$dir" tests "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
+    return "$failed"
+}
+
+# step LIMIT DIR NAME CMD...: CMD within LIMIT seconds, its output in DIR/NAME.out and .err
+step() {
+    local limit=$1 dir=$2 name=$3 start=$SECONDS rc=0
+    shift 3
+    say "$name: $* (at most $limit s) ..."
+    PYTHONUNBUFFERED=1 timeout -k 5 "$limit" "$@" >"$dir/$name.out" 2>"$dir/$name.err" || rc=$?
+    if [[ $rc -eq 0 ]]; then
+        say "$name: done in $((SECONDS - start)) s"
+    else
+        failed=1
+        if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+            say "$name: stopped at its limit of $limit s"
+        else
+            say "$name: failed (exit status $rc) in $((SECONDS - start)) s: $(tail -n1 "$dir/$name.err")"
+        fi
+    fi
 }
 
 # A fresh venv over $PY's packages, tinyrt and what it misses installed into it from .gpu_offline/.
@@ -219,6 +270,8 @@ print(", ".join(sorted(f"{d.name} {d.version}" for d in m.distributions(path=[p]
 
 case "${1:-}" in
     prepare) [[ $# -eq 1 ]] || usage; prepare ;;
-    run) shift; run "$@" ;;
+    run) shift; installed; exec "$VENV/bin/python" benchmarks/gpu.py "$@" ;;
+    check) shift; installed; exec "$VENV/bin/python" benchmarks/gpu_check.py "$@" ;;
+    first) shift; first "$@" ;;
     *) usage ;;
 esac

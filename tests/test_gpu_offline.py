@@ -2,6 +2,7 @@
 machine's Python from what `prepare` brought (here without `prepare`, which downloads: its folder
 is made by hand), and benchmarks/gpu.py says in one line what a missing package stops."""
 
+import json
 import os
 import re
 import shutil
@@ -40,7 +41,7 @@ def _tree(tmp: Path, sha: str = "0" * 64) -> Path:
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(src, tree / name)
     (tree / "benchmarks").mkdir()
-    for f in ("gpu.py", "gpu_offline.sh"):
+    for f in ("gpu.py", "gpu_check.py", "gpu_offline.sh"):
         shutil.copy(ROOT / "benchmarks" / f, tree / "benchmarks" / f)
     off = tree / ".gpu_offline"
     (off / "tinyrt").mkdir(parents=True)
@@ -50,8 +51,8 @@ def _tree(tmp: Path, sha: str = "0" * 64) -> Path:
     return tree
 
 
-def _run(tree: Path, python: str, *args: str, timeout: int = 300):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+def _run(tree: Path, python: str, *args: str, timeout: int = 300, **env):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | env
     return subprocess.run(["bash", str(tree / "benchmarks" / "gpu_offline.sh"), *args],
                           env=dict(env, PYTHON=python), capture_output=True, text=True,
                           timeout=timeout)
@@ -104,6 +105,41 @@ def test_run_installs_tinyrt_over_the_machine_s_python_with_no_index(tmp_path):
         f.write("# changed\n")
     p = _run(tree, sys.executable, "run", "--help")
     assert p.returncode == 0 and "building its wheel again here" in p.stderr, p.stderr
+
+
+def test_first_runs_the_checklist_each_step_within_its_time(tmp_path):
+    """`first DIR --smoke`, a GPU machine's first minutes on toy models without a GPU: gpu.py,
+    gpu_check.py (the CUDA path in Numba's simulator against the CPU's) and the tests, each
+    step's output in DIR and a line on stderr; a step that fails is named, the next ones run,
+    and the status says it."""
+    tree = _tree(tmp_path)
+    (tree / "tests").mkdir()
+    (tree / "tests" / "test_one.py").write_text("def test_one():\n    pass\n")
+    out = tmp_path / "out"
+    p = _run(tree, sys.executable, "first", str(out), "--smoke", timeout=600,
+             GPU_TESTS="tests/test_one.py", TMPDIR=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert [line.split(":")[1] for line in p.stderr.splitlines() if " done in " in line] == [
+        " gpu", " check", " tests"], p.stderr
+    figures = json.loads((out / "gpu.out").read_text())["models"]["llama2-7b"]["tinyrt"]
+    assert figures["contexts"]["64"]["decode_tok_s"] > 0
+    # (on stderr as soon as measured: they stand where the peer's run overruns the step)
+    early = [json.loads(line.split(": ", 2)[2]) for line in
+             (out / "gpu.err").read_text().splitlines() if line.startswith("llama2-7b: tinyrt: ")]
+    assert [e["contexts"]["64"]["decode_tok_s"] for e in early] == [
+        figures["contexts"]["64"]["decode_tok_s"]]
+    check = json.loads((out / "check.out").read_text())
+    assert check["agree"] and check["graph_equals_eager"], check
+    assert check["device"] == "Numba's CUDA simulator" and check["logits_rel_err"] < 3e-3
+    assert "1 passed" in (out / "tests.out").read_text()
+
+    p = _run(tree, sys.executable, "first", str(out), "llama1-7b", "--smoke",
+             GPU_TESTS="tests/test_one.py", TMPDIR=str(tmp_path))
+    assert p.returncode == 1
+    failed = [line for line in p.stderr.splitlines() if "failed (exit status 2)" in line]
+    assert [line.split(":")[1] for line in failed] == [" gpu", " check"], p.stderr
+    assert "unknown model 'llama1-7b'" in failed[0] and "no model 'llama1-7b'" in failed[1]
+    assert p.stderr.splitlines()[-1].startswith("gpu_offline: tests: done in "), p.stderr
 
 
 # A Python where some packages are not installed: importing one raises ModuleNotFoundError

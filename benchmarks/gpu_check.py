@@ -1,0 +1,220 @@
+"""tinyrt's CUDA path against its CPU path on one model, and a profile of the GPU's decode step.
+
+The check of a GPU machine's first minutes (docs/GPU.md), after the kernel tests and gpu.py:
+
+1. logits: the prompt's last-token logits on both devices (relative error, Frobenius norm; the
+   CUDA backend keeps float weights and the head in float16, so a few 1e-4 is expected).
+2. greedy: --tokens greedy tokens after the prompt on each device, as a reply runs them (on the
+   GPU the decode steps stay on the device, replayed as a CUDA graph; then again eagerly, which
+   must give the captured step's tokens). Equal, or the first step where they part: there both
+   devices' logits, from a prefill of the tokens before (the same on both), give the margin of
+   the CPU's token over the GPU's as a share of the logits' spread (their standard deviation).
+   Under --tie (1 %) it is a near tie that the order of float sums decides; above it, a fault.
+3. profile (a GPU only): torch.profiler over --profile-steps decode steps of a reply, captured
+   and eager: every kernel's launches and microseconds a step (CUPTI sees Numba's launches).
+
+The model is one of gpu.py's (random-weight AWQ directories written under --workdir, gpu.py's
+folder; cut to its first --layers layers, 4 by default: every kernel at the full model's launch
+shapes, loaded on both devices in seconds, not minutes), `default` (the default model's GGUF: from
+tinyrt's cache or --default-model), or a model path. Exit status 0 when the devices agree (equal
+tokens, or parted at a near tie), 1 when they do not.
+
+    python benchmarks/gpu_check.py --model llama2-7b --json > check.json      # on a GPU
+    python benchmarks/gpu_check.py --smoke       # no GPU: a toy model in Numba's CUDA simulator
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import gpu
+
+PROMPT = "The history of the city begins with a small settlement on the river, where"
+SMOKE_SHAPE = dict(gpu.SMOKE["llama2-7b"], hidden_size=128, intermediate_size=256,
+                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                   vocab_size=258)      # (the byte tokenizer's 258 ids; AWQ groups of 128)
+
+
+def model_path(args) -> Path:
+    if args.smoke:
+        return gpu.awq_model(args.workdir, "check", SMOKE_SHAPE, smoke=True)
+    if args.model == "default":
+        path = args.default_model or gpu.default_gguf()
+        if not path.exists():
+            sys.exit(f"gpu_check: no {path} (give --default-model)")
+        return path
+    if args.model in gpu.SHAPES:
+        shape = gpu.SHAPES[args.model]
+        layers = min(args.layers or shape["num_hidden_layers"], shape["num_hidden_layers"])
+        if layers == shape["num_hidden_layers"]:
+            return gpu.awq_model(args.workdir, args.model, shape, smoke=False)
+        return gpu.awq_model(args.workdir, f"{args.model}-{layers}-layers",
+                             dict(shape, num_hidden_layers=layers), smoke=False)
+    return Path(args.model)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def last_logits(llm, ids: list[int]) -> np.ndarray:
+    """The logits after `ids`, prefilled into an empty cache (float64 for the margins)."""
+    llm.reset()
+    out = llm.model.forward(np.asarray(ids), llm.cache)
+    return llm.model.backend.to_numpy(out)[-1].astype(np.float64)
+
+
+def greedy(llm, ids: list[int], n: int) -> list[int]:
+    llm.reset()
+    g = llm.generation(ids, max_tokens=n, temperature=0, repeat_penalty=1.0, ignore_eos=True)
+    for _ in g:
+        pass
+    return list(g.tokens)
+
+
+def parting(gpu_llm, cpu_llm, ids: list[int], a: list[int], b: list[int], tie: float) -> dict:
+    """Where the GPU's tokens `a` and the CPU's `b` first differ, and whether it is a near tie."""
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if k is None:
+        return {"equal": True, "tokens": len(a)}
+    before = ids + b[:k]
+    cpu, dev = last_logits(cpu_llm, before), last_logits(gpu_llm, before)
+    spread = float(cpu.std())
+    margin = float(cpu[b[k]] - cpu[a[k]]) / spread
+    return {"equal": False, "step": k, "cpu_token": b[k], "gpu_token": a[k],
+            "cpu_margin": margin, "gpu_margin": float(dev[a[k]] - dev[b[k]]) / spread,
+            "logits_rel_err": rel_err(dev, cpu), "near_tie": abs(margin) < tie}
+
+
+def profile(llm, ids: list[int], steps: int) -> dict:
+    """Each kernel's launches and device microseconds per decode step, over a reply of `steps`
+    decode steps (its prefill's kernels subtracted: a reply of none, profiled the same way)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    def kernels(n):
+        llm.reset()
+        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+            greedy(llm, ids, n + 1)
+            torch.cuda.synchronize()
+        return {e.key: (e.count, getattr(e, "device_time_total", None)
+                        or getattr(e, "cuda_time_total", 0)) for e in prof.key_averages()}
+
+    greedy(llm, ids, steps + 1)                  # warm: compiled, the allocator's pools made
+    full, base = kernels(steps), kernels(0)
+    per = {}
+    for name, (count, us) in full.items():
+        c0, us0 = base.get(name, (0, 0))
+        if count > c0:
+            per[name] = {"launches": (count - c0) / steps, "us": (us - us0) / steps}
+    per = dict(sorted(per.items(), key=lambda kv: -kv[1]["us"]))
+    return {"steps": steps, "kernels": per,
+            "launches": sum(k["launches"] for k in per.values()),
+            "us": sum(k["us"] for k in per.values())}
+
+
+def report(r: dict) -> str:
+    lines = [f"{r['device']}: {r['model']} ({r['layers']} layer{'s' * (r['layers'] > 1)}), prompt {r['prompt_tokens']} "
+             f"tokens, {r['tokens']} greedy tokens",
+             f"  prompt logits, cuda vs cpu: relative error {r['logits_rel_err']:.2e}"]
+    for how in ("graph", "eager"):
+        p = r["greedy"][how]
+        lines.append(f"  greedy ({how}): " + (
+            f"equal for all {p['tokens']} tokens" if p["equal"] else
+            f"parted at step {p['step']}: cpu {p['cpu_token']}, gpu {p['gpu_token']}; margins "
+            f"{p['cpu_margin']:.2e} (cpu) {p['gpu_margin']:.2e} (gpu) of the logits' spread, "
+            f"logits there within {p['logits_rel_err']:.1e}: "
+            + ("a near tie" if p["near_tie"] else "A FAULT")))
+    lines.append(f"  graph and eager steps: {'the same' if r['graph_equals_eager'] else 'DIFFERENT'}"
+                 f" tokens; gpu text: {r['gpu_text']!r}")
+    for how, p in r.get("profile", {}).items():
+        if "kernels" not in p:
+            lines.append(f"  profile ({how}): {p.get('skipped') or p.get('error')}")
+            continue
+        lines.append(f"  profile ({how}), a decode step: {p['launches']:.1f} launches, "
+                     f"{p['us']:.0f} us of kernels")
+        for name, k in list(p["kernels"].items())[:12]:
+            lines.append(f"    {k['us']:9.1f} us {k['launches']:6.1f}x  {name[:80]}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama2-7b",
+                    help=f"{', '.join(gpu.MODELS)}, or a model's path (default llama2-7b)")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="of gpu.py's models, the first LAYERS (default 4; 0: all)")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens (default 64)")
+    ap.add_argument("--tie", type=float, default=0.01,
+                    help="a parting under this share of the logits' spread is a near tie")
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, help="the CPU path's threads")
+    ap.add_argument("--workdir", type=Path,
+                    default=Path(tempfile.gettempdir()) / "tinyrt_gpu_bench")
+    ap.add_argument("--default-model", type=Path, help="the default model's GGUF")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a toy model; without a GPU in Numba's CUDA simulator")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the text")
+    args = ap.parse_args()
+    if args.model not in gpu.MODELS and not Path(args.model).exists():
+        ap.error(f"no model {args.model!r} (choose from {', '.join(gpu.MODELS)}, or a path)")
+    if args.tokens < 1 or args.profile_steps < 1 or args.layers < 0:
+        ap.error("--tokens and --profile-steps must be at least 1, --layers at least 0")
+    if args.smoke:                       # (the simulator runs a CUDA thread as a Python thread)
+        args.tokens = min(args.tokens, 4)
+        if ctypes.util.find_library("cuda") is None:      # (read when numba.cuda is imported)
+            os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+            # the simulator's barriers wait on a thread switch: 10 ms each at Python's 5 ms
+            sys.setswitchinterval(1e-4)
+    import torch
+
+    import tinyrt
+
+    on_gpu = torch.cuda.is_available()
+    if not (on_gpu or args.smoke):
+        sys.exit("gpu_check: torch sees no CUDA GPU (--smoke runs it in Numba's simulator)")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    path = model_path(args)
+    gpu_llm = tinyrt.load(str(path), device="cuda", quiet=True)
+    cpu_llm = tinyrt.load(str(path), device="cpu", threads=args.threads, quiet=True)
+    ids = gpu_llm.encode(PROMPT)[:8 if args.smoke else None]
+    r = {"device": torch.cuda.get_device_name() if on_gpu else "Numba's CUDA simulator",
+         "model": str(path), "layers": gpu_llm.config.num_hidden_layers,
+         "prompt_tokens": len(ids), "tokens": args.tokens}
+    r["logits_rel_err"] = rel_err(last_logits(gpu_llm, ids), last_logits(cpu_llm, ids))
+    want = greedy(cpu_llm, ids, args.tokens)
+    r["greedy"], got = {}, {}
+    for how, graph in (("graph", True), ("eager", False)):
+        gpu_llm.model.backend.cuda_graph = graph
+        got[how] = greedy(gpu_llm, ids, args.tokens)
+        r["greedy"][how] = parting(gpu_llm, cpu_llm, ids, got[how], want, args.tie)
+    r["graph_equals_eager"] = got["graph"] == got["eager"]
+    r["gpu_text"] = gpu_llm.tokenizer.decode(got["graph"])
+    if on_gpu:
+        r["profile"] = {}
+        for how, graph in (("graph", True), ("eager", False)):
+            gpu_llm.model.backend.cuda_graph = graph
+            try:
+                r["profile"][how] = profile(gpu_llm, ids, args.profile_steps)
+            except Exception as e:                       # noqa: BLE001 (the check's figures stand)
+                r["profile"][how] = {"error": f"{type(e).__name__}: {e}"}
+    r["agree"] = r["graph_equals_eager"] and all(p["equal"] or p["near_tie"]
+                                                 for p in r["greedy"].values())
+    print(json.dumps(r, indent=1) if args.json else report(r))
+    return 0 if r["agree"] else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ModuleNotFoundError as e:
+        sys.exit(f"gpu_check: {gpu.missing(e)}")

@@ -1,0 +1,65 @@
+"""benchmarks/gpu_check.py, the GPU's greedy tokens against the CPU's: where two token lists part,
+the margins there say whether it was a near tie (the order of float sums) or a fault. Here two
+different random models on the CPU device stand for a faulty GPU path."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return gpu_check
+
+
+def test_a_parting_is_placed_and_weighed(check, tmp_path):
+    import tinyrt
+
+    gpu = check.gpu
+    good = gpu.awq_model(tmp_path, "m", check.SMOKE_SHAPE, smoke=True)
+    bad = tmp_path / "other"
+    bad.mkdir()
+    for f in good.iterdir():
+        if f.suffix == ".json":
+            (bad / f.name).write_bytes(f.read_bytes())
+    gpu.write_safetensors(bad / "model.safetensors", gpu.model_tensors(check.SMOKE_SHAPE, seed=1))
+    cpu, other = (tinyrt.load(str(p), device="cpu", threads=1, quiet=True) for p in (good, bad))
+    ids = cpu.encode(check.PROMPT)[:8]
+    want, got = check.greedy(cpu, ids, 12), check.greedy(other, ids, 12)
+    assert len(want) == len(got) == 12 and len(set(want)) > 3     # (centred codes: tokens vary)
+    assert check.parting(cpu, cpu, ids, want, list(want), 0.01) == {"equal": True, "tokens": 12}
+
+    p = check.parting(other, cpu, ids, got, want, 0.01)
+    k = next(i for i in range(12) if got[i] != want[i])
+    assert not p["equal"] and p["step"] == k
+    assert (p["cpu_token"], p["gpu_token"]) == (want[k], got[k])
+    # each device's own token wins on its own logits, by far more than a near tie's 1 %
+    assert p["cpu_margin"] > 0.01 and p["gpu_margin"] > 0.01 and not p["near_tie"]
+    assert p["logits_rel_err"] > 0.1
+    assert check.parting(other, cpu, ids, got, want, 1e9)["near_tie"]
+
+
+def test_random_codes_are_centred_on_the_zero_point(check):
+    """gpu.py's random 4-bit codes: a code 0 becomes 8, the others stay, so their mean is the
+    zero point 8 (at Llama-2-7B's width, uniform codes gave 2 distinct tokens in 32 greedy
+    ones of a 4-layer model, centred codes 32)."""
+    import numpy as np
+
+    raw = np.random.default_rng(5).bytes(4 * 4096)
+    before = np.frombuffer(raw, np.uint32)
+    after = check.gpu.centred(raw).view(np.uint32)
+
+    def codes(w):
+        return np.stack([(w >> k) & 15 for k in range(0, 32, 4)])
+
+    a, b = codes(before), codes(after)
+    assert (b == np.where(a == 0, 8, a)).all() and (a == 0).sum() > 1000
+    assert abs(b.mean() - 8) < 0.05
