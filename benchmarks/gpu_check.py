@@ -122,8 +122,9 @@ def profile(llm, ids: list[int], steps: int) -> dict:
 
 
 def report(r: dict) -> str:
-    lines = [f"{r['device']}: {r['model']} ({r['layers']} layer{'s' * (r['layers'] > 1)}), prompt {r['prompt_tokens']} "
-             f"tokens, {r['tokens']} greedy tokens",
+    layers = f"{r['layers']} layer{'s' * (r['layers'] > 1)}"
+    lines = [f"{r['device']}: {r['model']} ({layers}), prompt {r['prompt_tokens']} tokens, "
+             f"{r['tokens']} greedy tokens",
              f"  prompt logits, cuda vs cpu: relative error {r['logits_rel_err']:.2e}"]
     for how in ("graph", "eager"):
         p = r["greedy"][how]
@@ -133,8 +134,8 @@ def report(r: dict) -> str:
             f"{p['cpu_margin']:.2e} (cpu) {p['gpu_margin']:.2e} (gpu) of the logits' spread, "
             f"logits there within {p['logits_rel_err']:.1e}: "
             + ("a near tie" if p["near_tie"] else "A FAULT")))
-    lines.append(f"  graph and eager steps: {'the same' if r['graph_equals_eager'] else 'DIFFERENT'}"
-                 f" tokens; gpu text: {r['gpu_text']!r}")
+    same = "the same" if r["graph_equals_eager"] else "DIFFERENT"
+    lines.append(f"  graph and eager steps: {same} tokens; gpu text: {r['gpu_text']!r}")
     for how, p in r.get("profile", {}).items():
         if "kernels" not in p:
             lines.append(f"  profile ({how}): {p.get('skipped') or p.get('error')}")

@@ -14,8 +14,8 @@
 # run: a venv over ${PYTHON:-python3}'s packages (--system-site-packages: the machine's torch,
 #   numba and numpy as they are; nothing it has is installed again) in .gpu_offline_venv/,
 #   tinyrt installed from .gpu_offline/ with pip --no-index (pip takes only what is missing),
-#   then benchmarks/gpu.py ARGS with that venv's python (check: gpu_check.py). Sources changed since prepare are
-#   built there again if that Python has setuptools, and refused if not.
+#   then benchmarks/gpu.py ARGS with that venv's python (check: gpu_check.py). Sources changed
+#   since prepare are built there again if that Python has setuptools, and refused if not.
 set -euo pipefail
 
 ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd -P)
@@ -206,7 +206,8 @@ step() {
         if [[ $rc -eq 124 || $rc -eq 137 ]]; then
             say "$name: stopped at its limit of $limit s"
         else
-            say "$name: failed (exit status $rc) in $((SECONDS - start)) s: $(tail -n1 "$dir/$name.err")"
+            say "$name: failed (exit status $rc) in $((SECONDS - start)) s:" \
+                "$(tail -n1 "$dir/$name.err")"
         fi
     fi
 }
