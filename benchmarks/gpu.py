@@ -159,7 +159,8 @@ def awq_model(workdir: Path, name: str, shape: dict, smoke: bool) -> Path:
     tokenizer is byte-level BPE with no merges: 2 special tokens and the 256 bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    dst = workdir / f"{name}{'-smoke' if smoke else ''}-awq-g128"
+    # ("-centred": a folder of an earlier form, with uniform codes, is not taken for one)
+    dst = workdir / f"{name}{'-smoke' if smoke else ''}-awq-g128-centred"
     if (dst / "config.json").exists():
         return dst
     tmp = dst.with_name(dst.name + ".part")

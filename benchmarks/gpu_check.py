@@ -1,23 +1,26 @@
 """tinyrt's CUDA path against its CPU path on one model, and a profile of the GPU's decode step.
 
-The check of a GPU machine's first minutes (docs/GPU.md), after the kernel tests and gpu.py:
+The check of a GPU machine's first minutes (docs/GPU.md, `gpu_offline.sh first`), after gpu.py:
 
 1. logits: the prompt's last-token logits on both devices (relative error, Frobenius norm; the
    CUDA backend keeps float weights and the head in float16, so a few 1e-4 is expected).
 2. greedy: --tokens greedy tokens after the prompt on each device, as a reply runs them (on the
    GPU the decode steps stay on the device, replayed as a CUDA graph; then again eagerly, which
-   must give the captured step's tokens). Equal, or the first step where they part: there both
-   devices' logits, from a prefill of the tokens before (the same on both), give the margin of
-   the CPU's token over the GPU's as a share of the logits' spread (their standard deviation).
-   Under --tie (1 %) it is a near tie that the order of float sums decides; above it, a fault.
-3. profile (a GPU only): torch.profiler over --profile-steps decode steps of a reply, captured
-   and eager: every kernel's launches and microseconds a step (CUPTI sees Numba's launches).
+   must give the captured step's tokens; in Numba's simulator, which captures no graph, both
+   run eagerly). Equal, or the first step where they part: there each device's logits, from a
+   prefill of the tokens before (the same on both), give the margin of its own token over the
+   other's, as a share of the CPU logits' spread (their standard deviation).
+   When both devices' margins are under --tie (1 %) it is a near tie that the order of float
+   sums decides (the tokens after it are not compared); else a fault.
+3. profile (a GPU only): torch.profiler over a reply's decode steps, captured and eager (its
+   first step, eager in both, left out): every kernel's launches and microseconds a step
+   (CUPTI sees Numba's launches).
 
 The model is one of gpu.py's (random-weight AWQ directories written under --workdir, gpu.py's
 folder; cut to its first --layers layers, 4 by default: every kernel at the full model's launch
-shapes, loaded on both devices in seconds, not minutes), `default` (the default model's GGUF: from
-tinyrt's cache or --default-model), or a model path. Exit status 0 when the devices agree (equal
-tokens, or parted at a near tie), 1 when they do not.
+shapes, for an eighth of the loads and of the CPU's decode), `default` (the default model's GGUF:
+from tinyrt's cache or --default-model), or a model path. Exit status 0 when the devices agree
+(equal tokens, or parted at a near tie), 1 when they do not.
 
     python benchmarks/gpu_check.py --model llama2-7b --json > check.json      # on a GPU
     python benchmarks/gpu_check.py --smoke       # no GPU: a toy model in Numba's CUDA simulator
@@ -81,23 +84,29 @@ def greedy(llm, ids: list[int], n: int) -> list[int]:
 
 
 def parting(gpu_llm, cpu_llm, ids: list[int], a: list[int], b: list[int], tie: float) -> dict:
-    """Where the GPU's tokens `a` and the CPU's `b` first differ, and whether it is a near tie."""
+    """Where the GPU's tokens `a` and the CPU's `b` first differ, and whether it is a near tie:
+    both devices' margins under `tie` (the GPU's from its prefill of the tokens before, not from
+    the decode step that drew its token). Tokens after a near tie are not compared."""
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if k is None:
-        return {"equal": True, "tokens": len(a)}
+        if len(a) == len(b):
+            return {"equal": True, "tokens": len(a)}
+        return {"equal": False, "lengths": [len(a), len(b)], "near_tie": False}
     before = ids + b[:k]
     cpu, dev = last_logits(cpu_llm, before), last_logits(gpu_llm, before)
     spread = float(cpu.std())
-    margin = float(cpu[b[k]] - cpu[a[k]]) / spread
+    margins = float(cpu[b[k]] - cpu[a[k]]) / spread, float(dev[a[k]] - dev[b[k]]) / spread
     return {"equal": False, "step": k, "cpu_token": b[k], "gpu_token": a[k],
-            "cpu_margin": margin, "gpu_margin": float(dev[a[k]] - dev[b[k]]) / spread,
-            "logits_rel_err": rel_err(dev, cpu), "near_tie": abs(margin) < tie}
+            "cpu_margin": margins[0], "gpu_margin": margins[1],
+            "logits_rel_err": rel_err(dev, cpu), "near_tie": max(map(abs, margins)) < tie}
 
 
 def profile(llm, ids: list[int], steps: int) -> dict:
-    """Each kernel's launches and device microseconds per decode step, over a reply of `steps`
-    decode steps (its prefill's kernels subtracted: a reply of none, profiled the same way)."""
+    """Each kernel's launches and device microseconds per decode step, over the steps 2 to
+    `steps` of a reply (a reply of one decode step, its prefill and its first step, which runs
+    eagerly before a graph's capture, profiled the same way and taken off)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
     def kernels(n):
@@ -105,18 +114,21 @@ def profile(llm, ids: list[int], steps: int) -> dict:
         with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
             greedy(llm, ids, n + 1)
             torch.cuda.synchronize()
-        return {e.key: (e.count, getattr(e, "device_time_total", None)
-                        or getattr(e, "cuda_time_total", 0)) for e in prof.key_averages()}
+        # (the CUDA activity also records the runtime's calls, cuLaunchKernel..., on the host)
+        return {e.key: (e.count, e.device_time_total) for e in prof.key_averages()
+                if e.device_type == DeviceType.CUDA}
 
     greedy(llm, ids, steps + 1)                  # warm: compiled, the allocator's pools made
-    full, base = kernels(steps), kernels(0)
+    full, base = kernels(steps), kernels(1)
+    if not full:
+        return {"error": "the profiler saw no kernel (no CUPTI?)"}
     per = {}
     for name, (count, us) in full.items():
         c0, us0 = base.get(name, (0, 0))
         if count > c0:
-            per[name] = {"launches": (count - c0) / steps, "us": (us - us0) / steps}
+            per[name] = {"launches": (count - c0) / (steps - 1), "us": (us - us0) / (steps - 1)}
     per = dict(sorted(per.items(), key=lambda kv: -kv[1]["us"]))
-    return {"steps": steps, "kernels": per,
+    return {"steps": steps - 1, "kernels": per,
             "launches": sum(k["launches"] for k in per.values()),
             "us": sum(k["us"] for k in per.values())}
 
@@ -130,6 +142,8 @@ def report(r: dict) -> str:
         p = r["greedy"][how]
         lines.append(f"  greedy ({how}): " + (
             f"equal for all {p['tokens']} tokens" if p["equal"] else
+            f"the same tokens but {p['lengths'][0]} (gpu) against {p['lengths'][1]} (cpu): "
+            "A FAULT" if "lengths" in p else
             f"parted at step {p['step']}: cpu {p['cpu_token']}, gpu {p['gpu_token']}; margins "
             f"{p['cpu_margin']:.2e} (cpu) {p['gpu_margin']:.2e} (gpu) of the logits' spread, "
             f"logits there within {p['logits_rel_err']:.1e}: "
@@ -157,7 +171,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens (default 64)")
     ap.add_argument("--tie", type=float, default=0.01,
                     help="a parting under this share of the logits' spread is a near tie")
-    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--profile-steps", type=int, default=9,
+                    help="decode steps of the profiled reply (the first left out; default 9)")
     ap.add_argument("--threads", type=int, help="the CPU path's threads")
     ap.add_argument("--workdir", type=Path,
                     default=Path(tempfile.gettempdir()) / "tinyrt_gpu_bench")
@@ -168,8 +183,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.model not in gpu.MODELS and not Path(args.model).exists():
         ap.error(f"no model {args.model!r} (choose from {', '.join(gpu.MODELS)}, or a path)")
-    if args.tokens < 1 or args.profile_steps < 1 or args.layers < 0:
-        ap.error("--tokens and --profile-steps must be at least 1, --layers at least 0")
+    if args.tokens < 1 or args.profile_steps < 2 or args.layers < 0:
+        ap.error("--tokens must be at least 1, --profile-steps 2, --layers 0")
     if args.smoke:                       # (the simulator runs a CUDA thread as a Python thread)
         args.tokens = min(args.tokens, 4)
         if ctypes.util.find_library("cuda") is None:      # (read when numba.cuda is imported)

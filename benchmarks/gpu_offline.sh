@@ -166,49 +166,65 @@ installed() {
 # A GPU machine's first minutes (docs/GPU.md) in one command of under 10 minutes: gpu.py on one
 # model (the figures first: a step that overruns then costs the least), gpu_check.py on it
 # (greedy tokens against the CPU path, a profile of the step), then the kernel tests; each step
-# stopped at its limit, its output in DIR/STEP.out and .err, and a line a step on stderr.
-# The tests: those of the CUDA kernels and the device's decode step, or $GPU_TESTS. --smoke: the
+# stopped at its limit and all by $FIRST_BUDGET seconds from the start (570, the install
+# included), each run from DIR (so that python finds the installed tinyrt, not the checkout's
+# tinyrt/), its output in DIR/STEP.out and .err, a line a step on stderr. The tests: those of the
+# CUDA kernels and the device's decode step, or $GPU_TESTS (paths in the checkout). --smoke: the
 # same steps without a GPU (toy models on the CPU device and in Numba's CUDA simulator).
 first() {
-    [[ $# -ge 1 && $# -le 3 ]] || usage
-    local dir=$1 model=llama2-7b smoke=""
-    shift
+    local dir="" model="" smoke="" a
     for a in "$@"; do
-        if [[ "$a" == --smoke ]]; then smoke=1; else model=$a; fi
+        case "$a" in
+            --smoke) smoke=1 ;;
+            -*) usage ;;
+            *) if [[ -z "$dir" ]]; then dir=$a
+               elif [[ -z "$model" ]]; then model=$a
+               else usage; fi ;;
+        esac
     done
+    [[ -n "$dir" ]] || usage
     mkdir -p -- "$dir" 2>/dev/null && dir=$(cd -- "$dir" && pwd -P) || die "no folder $dir"
     local -a tests
-    local ours="tests/test_gemv_gpu.py tests/test_kernels_gpu.py tests/test_device_decode.py"
-    read -r -a tests <<<"${GPU_TESTS:-$ours}"
+    local t ours="tests/test_gemv_gpu.py tests/test_kernels_gpu.py tests/test_device_decode.py"
+    for t in ${GPU_TESTS:-$ours}; do tests+=("$ROOT/$t"); done
+    local deadline=$((SECONDS + ${FIRST_BUDGET:-570})) failed=0
     installed
-    local py="$VENV/bin/python" failed=0
-    if [[ -n "$smoke" ]]; then
-        step 270 "$dir" gpu "$py" benchmarks/gpu.py --models "$model" --device cpu --smoke --json
-        step 150 "$dir" check "$py" benchmarks/gpu_check.py --model "$model" --smoke --json
-    else
-        step 270 "$dir" gpu "$py" benchmarks/gpu.py --models "$model" --json
-        step 150 "$dir" check "$py" benchmarks/gpu_check.py --model "$model" --json
-    fi
-    step 140 "$dir" tests "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
+    local py="$VENV/bin/python" b="$ROOT/benchmarks"
+    local -a gpu=(--json) check=(--json)
+    if [[ -n "$smoke" ]]; then gpu+=(--device cpu --smoke); check+=(--smoke); fi
+    step 270 gpu "$py" "$b/gpu.py" --models "${model:-llama2-7b}" "${gpu[@]}"
+    step 150 check "$py" "$b/gpu_check.py" --model "${model:-llama2-7b}" "${check[@]}"
+    step 140 tests "$py" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "${tests[@]}"
     return "$failed"
 }
 
-# step LIMIT DIR NAME CMD...: CMD within LIMIT seconds, its output in DIR/NAME.out and .err
+# step LIMIT NAME CMD...: CMD run from $dir within LIMIT seconds (less where $deadline is nearer),
+# its output in $dir/NAME.out and .err; a failure sets $failed (first's)
 step() {
-    local limit=$1 dir=$2 name=$3 start=$SECONDS rc=0
-    shift 3
-    say "$name: $* (at most $limit s) ..."
-    PYTHONUNBUFFERED=1 timeout -k 5 "$limit" "$@" >"$dir/$name.out" 2>"$dir/$name.err" || rc=$?
-    if [[ $rc -eq 0 ]]; then
-        say "$name: done in $((SECONDS - start)) s"
-    else
+    local limit=$1 name=$2 start=$SECONDS rc=0
+    shift 2
+    (( limit > deadline - SECONDS - 5 )) && limit=$((deadline - SECONDS - 5))
+    if (( limit < 1 )); then
+        say "$name: skipped: no time left"
         failed=1
-        if [[ $rc -eq 124 || $rc -eq 137 ]]; then
-            say "$name: stopped at its limit of $limit s"
-        else
-            say "$name: failed (exit status $rc) in $((SECONDS - start)) s:" \
-                "$(tail -n1 "$dir/$name.err")"
-        fi
+        return
+    fi
+    say "$name: $* (at most $limit s) ..."
+    (cd "$dir" && PYTHONUNBUFFERED=1 timeout -k 5 "$limit" "$@" >"$name.out" 2>"$name.err") ||
+        rc=$?
+    local took=$((SECONDS - start))
+    if [[ $rc -eq 0 ]]; then
+        say "$name: done in $took s"
+        return
+    fi
+    failed=1
+    if [[ ($rc -eq 124 || $rc -eq 137) && $took -ge $limit ]]; then
+        say "$name: stopped at its limit of $limit s"
+    else
+        local why
+        why=$(tail -n1 "$dir/$name.err")
+        [[ -n "$why" ]] || why=$(tail -n1 "$dir/$name.out")
+        say "$name: failed (exit status $rc) in $took s: $why"
     fi
 }
 

@@ -36,6 +36,8 @@ def test_a_parting_is_placed_and_weighed(check, tmp_path):
     want, got = check.greedy(cpu, ids, 12), check.greedy(other, ids, 12)
     assert len(want) == len(got) == 12 and len(set(want)) > 3     # (centred codes: tokens vary)
     assert check.parting(cpu, cpu, ids, want, list(want), 0.01) == {"equal": True, "tokens": 12}
+    assert check.parting(cpu, cpu, ids, want[:-1], want, 0.01) == {
+        "equal": False, "lengths": [11, 12], "near_tie": False}
 
     p = check.parting(other, cpu, ids, got, want, 0.01)
     k = next(i for i in range(12) if got[i] != want[i])
@@ -45,6 +47,13 @@ def test_a_parting_is_placed_and_weighed(check, tmp_path):
     assert p["cpu_margin"] > 0.01 and p["gpu_margin"] > 0.01 and not p["near_tie"]
     assert p["logits_rel_err"] > 0.1
     assert check.parting(other, cpu, ids, got, want, 1e9)["near_tie"]
+    # a near tie needs both margins under it (each model as the GPU, so that each margin is
+    # the larger one once)
+    for fast, slow, a, b in ((other, cpu, got, want), (cpu, other, want, got)):
+        q = check.parting(fast, slow, ids, a, b, 0.01)
+        for tie in (q["cpu_margin"] * 1.001, q["gpu_margin"] * 1.001):
+            near = max(q["cpu_margin"], q["gpu_margin"]) < tie
+            assert check.parting(fast, slow, ids, a, b, tie)["near_tie"] == near
 
 
 def test_random_codes_are_centred_on_the_zero_point(check):

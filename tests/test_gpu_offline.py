@@ -109,12 +109,17 @@ def test_run_installs_tinyrt_over_the_machine_s_python_with_no_index(tmp_path):
 
 def test_first_runs_the_checklist_each_step_within_its_time(tmp_path):
     """`first DIR --smoke`, a GPU machine's first minutes on toy models without a GPU: gpu.py,
-    gpu_check.py (the CUDA path in Numba's simulator against the CPU's) and the tests, each
-    step's output in DIR and a line on stderr; a step that fails is named, the next ones run,
-    and the status says it."""
+    gpu_check.py (the CUDA path in Numba's simulator against the CPU's) and the tests (which
+    import the installed tinyrt, not the checkout's tinyrt/ folder), each step's output in DIR
+    and a line on stderr; a step that fails, or overruns what is left of the budget, is named,
+    the next ones run, and the status says it; with no time left a step is skipped."""
     tree = _tree(tmp_path)
     (tree / "tests").mkdir()
-    (tree / "tests" / "test_one.py").write_text("def test_one():\n    pass\n")
+    (tree / "tests" / "test_one.py").write_text(
+        "import tinyrt.kernels\n\n\ndef test_one():\n"
+        "    assert '.gpu_offline_venv' in tinyrt.kernels.__file__\n")
+    (tree / "tests" / "test_slow.py").write_text(
+        "import time\n\n\ndef test_slow():\n    time.sleep(120)\n")
     out = tmp_path / "out"
     p = _run(tree, sys.executable, "first", str(out), "--smoke", timeout=600,
              GPU_TESTS="tests/test_one.py", TMPDIR=str(tmp_path))
@@ -134,12 +139,18 @@ def test_first_runs_the_checklist_each_step_within_its_time(tmp_path):
     assert "1 passed" in (out / "tests.out").read_text()
 
     p = _run(tree, sys.executable, "first", str(out), "llama1-7b", "--smoke",
-             GPU_TESTS="tests/test_one.py", TMPDIR=str(tmp_path))
+             GPU_TESTS="tests/test_slow.py", TMPDIR=str(tmp_path), FIRST_BUDGET="40")
     assert p.returncode == 1
     failed = [line for line in p.stderr.splitlines() if "failed (exit status 2)" in line]
     assert [line.split(":")[1] for line in failed] == [" gpu", " check"], p.stderr
     assert "unknown model 'llama1-7b'" in failed[0] and "no model 'llama1-7b'" in failed[1]
-    assert p.stderr.splitlines()[-1].startswith("gpu_offline: tests: done in "), p.stderr
+    last = p.stderr.splitlines()[-1]
+    assert re.fullmatch(r"gpu_offline: tests: stopped at its limit of \d+ s", last), p.stderr
+
+    p = _run(tree, sys.executable, "first", str(out), "--smoke", FIRST_BUDGET="5")
+    assert p.returncode == 1
+    assert [line.split(": ", 1)[1] for line in p.stderr.splitlines()[-3:]] == [
+        f"{step}: skipped: no time left" for step in ("gpu", "check", "tests")], p.stderr
 
 
 # A Python where some packages are not installed: importing one raises ModuleNotFoundError
