@@ -76,11 +76,11 @@ def last_logits(llm, ids: list[int]) -> np.ndarray:
 
 
 def greedy(llm, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens after `ids`, from an empty cache."""
+    from tinyrt.bench import greedy_reply
+
     llm.reset()
-    g = llm.generation(ids, max_tokens=n, temperature=0, repeat_penalty=1.0, ignore_eos=True)
-    for _ in g:
-        pass
-    return list(g.tokens)
+    return list(greedy_reply(llm, ids, n).tokens)
 
 
 def parting(gpu_llm, cpu_llm, ids: list[int], a: list[int], b: list[int], tie: float) -> dict:

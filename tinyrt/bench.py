@@ -53,6 +53,17 @@ def prompt_ids(llm, n: int) -> np.ndarray:
     return np.asarray(ids[:n], dtype=np.int64)
 
 
+def greedy_reply(llm, ids, max_tokens: int):
+    """The reply of `max_tokens` tokens to prompt `ids`, run to its end (its tokens and timings):
+    greedy and no penalty (whatever the model's generation_config.json asks), past any
+    end-of-sequence token: the plain decode step, the same tokens every run."""
+    g = llm.generation(ids, max_tokens=max_tokens, temperature=0, repeat_penalty=1.0,
+                       ignore_eos=True)
+    for _ in g:
+        pass
+    return g
+
+
 def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int, progress=None):
     """Seconds to the first token of prompt `ids` from an empty cache, and seconds per greedy
     decoded token after it, for each of `runs` runs (after a warm-up call), through the
@@ -68,13 +79,7 @@ def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int, progress=Non
     for k in range(runs):
         say(what, k, runs)
         llm.reset()
-        # greedy and no penalty (whatever the model's generation_config.json asks): the plain
-        # decode step, the same tokens every run
-        g = llm.generation(ids, max_tokens=decode_tokens + 1, temperature=0, repeat_penalty=1.0,
-                           ignore_eos=True)
-        for _ in g:
-            pass
-        t = g.timings
+        t = greedy_reply(llm, ids, decode_tokens + 1).timings
         spec = t.speculative and t.speculative.as_dict()
         results.append((t.decode_s / max(t.decode_steps, 1), t.ttft_s, spec))
     say(what, runs, runs)
