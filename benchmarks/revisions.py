@@ -1,6 +1,6 @@
 """This checkout against an earlier git revision, side by side in one run: `tinyrt bench` of each
 model under each revision, taking turns round after round (a change in the machine's load falls
-on both alike); medians of prefill and decode tok/s, and their ratios (this / base). For a
+on both alike); medians of load seconds, prefill and decode tok/s, and their ratios (this / base). For a
 change that must cost nothing (a refactoring), the ratios should sit at 1 within the noise.
 
     python benchmarks/revisions.py --base REV [MODEL ...] [--rounds 5] [--threads 2]
@@ -82,7 +82,7 @@ def main() -> None:
     for model in args.models:
         print(f"{model or 'default model'} ({args.rounds} rounds, {args.threads} threads, "
               f"prompt {args.prompt_tokens}, decode {args.decode_tokens}):")
-        for key in ("prefill_tok_s", "decode_tok_s"):
+        for key in ("load_s", "prefill_tok_s", "decode_tok_s"):
             med = {r: statistics.median(f[key] for f in figures[model, r]) for r in trees}
             ratios = [a[key] / b[key] for a, b in zip(figures[model, "this"], figures[model, "base"])]
             print(f"  {key:14s} base {med['base']:8.1f}  this {med['this']:8.1f}  "
