@@ -51,22 +51,23 @@ class Missing(Exception):
 
 
 def tool(name: str) -> str:
-    """The path of a CUDA tool: on PATH, under CUDA_HOME, or in NVIDIA's pip wheels."""
+    """The path of a CUDA tool: in NVIDIA's pip wheels, on PATH, or under CUDA_HOME. The wheels
+    first: numba-cuda's cu13 extra installs libNVVM as a wheel, and a ptxas of an older toolkit
+    on PATH refuses the newer PTX version it writes ("Unsupported .version")."""
+    try:
+        import nvidia
+    except ImportError:
+        roots = []
+    else:
+        roots = list(nvidia.__path__)
+    for root in roots:             # cu13 wheels: nvidia/cu13/bin; cu12: nvidia/cuda_nvcc/bin
+        for path in sorted(glob.glob(os.path.join(root, "*", "bin", name))):
+            if os.access(path, os.X_OK):
+                return path
     found = shutil.which(name)
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if not found and home and os.access(Path(home, "bin", name), os.X_OK):
         found = str(Path(home, "bin", name))
-    if not found:
-        try:
-            import nvidia
-        except ImportError:
-            roots = []
-        else:
-            roots = list(nvidia.__path__)
-        for root in roots:         # cu13 wheels: nvidia/cu13/bin; cu12: nvidia/cuda_nvcc/bin
-            for path in sorted(glob.glob(os.path.join(root, "*", "bin", name))):
-                if os.access(path, os.X_OK):
-                    found = path
     if not found:
         raise Missing(f"{name} not found: pip install {PACKAGES[name]}")
     return found

@@ -252,7 +252,10 @@ def test_rope_store(extra, dtype):
     """A q|k|v projection's output made ready in one launch (rope_store) as the backend's ops
     make it one by one (LlamaModel.attention: the bias (Qwen2's), each head's q/k norm
     (Qwen3's), RoPE; then store_kv): the queries and the cache after the store bit for bit the
-    ops', and the NumPy reference's (a key past float16's range clamped)."""
+    ops', and the NumPy reference's (a key past float16's range clamped). Bit for bit on a GPU
+    too: the rotation and the norms' sums of squares round every product and sum (primitives.
+    rotate, square_add), so no kernel's compiler can fuse them into multiply-adds its own way
+    (test_rope_kernels_round_without_fma)."""
     be = CudaBackend()
     T, Q, G, D, C = 2, 4, 2, 16, 9
     qkv = (rng.standard_normal((T, (Q + 2 * G) * D)) * 3).astype(np.float32)
@@ -484,6 +487,65 @@ for name, sig in sigs.items():
         assert fma == 0 and mul > 0 and add > 0, (name, counts[name])
 
 
+def test_numpy_names_numba_cuda_needs_are_restored(monkeypatch):
+    """numba-cuda 0.30 registers an overload of np.row_stack when its target loads, and NumPy
+    2.5 removed row_stack: every kernel's first compile raised AttributeError on such a GPU
+    machine. The package restores the name as NumPy's own alias (vstack), only where it is
+    missing; then a kernel compiles with the name removed (and, with numba-cuda installed, does
+    not without the restore). Where no CUDA compiler (NVVM) is installed, only the first
+    part."""
+    from tinyrt.kernels.cuda import numpy_names
+
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    assert numpy_names.restore() == ["row_stack"] and np.row_stack is np.vstack
+    own = object()                       # a NumPy that has the name keeps its own
+    monkeypatch.setattr(np, "row_stack", own, raising=False)
+    assert numpy_names.restore() == [] and np.row_stack is own
+    code = r"""
+import sys
+import numpy as np
+del np.row_stack                 # (as NumPy 2.5 has it)
+def k(x):
+    x[0] = 1.0
+if sys.argv[1] == 'restored':
+    import tinyrt.kernels.cuda
+try:
+    cuda.compile_ptx(k, (a(t.float32, 1),), cc=(9, 0))
+    print('compiled')
+except AttributeError as e:
+    print('failed:', e)
+"""
+    assert _compile_for_the_gpu(code, "restored").strip() == "compiled"
+    bare = _compile_for_the_gpu(code, "bare")
+    import importlib.util
+    if importlib.util.find_spec("numba_cuda") is not None:   # (numba's own target guards it)
+        assert "row_stack" in bare, bare
+
+
+def test_rope_kernels_round_without_fma():
+    """The kernels that rotate by RoPE (rope, rope_store, and the sinks' re-rotation) and sum
+    squares for a norm (add_rmsnorm, rope_store) hold no float32 fused multiply-add in their
+    PTX for a Hopper GPU: each product and sum rounded alone, as NumPy rounds them, so the fused
+    kernel and the ops one by one agree bit for bit on hardware (on which the compiler
+    contracted a * b + c differently in each: the last bit of some queries differed). Where no
+    CUDA compiler (NVVM) is installed, nothing to check."""
+    out = _compile_for_the_gpu(r"""
+import re
+from tinyrt.kernels.cuda import kernels, step
+f1, f2, f3, i2 = a(t.float32, 1), a(t.float32, 2), a(t.float32, 3), a(t.int64, 2)
+sigs = {kernels.rope: (f3, f2, f2, f3),
+        kernels.add_rmsnorm: (f2, f2, t.int64, f1, t.float32, f2),
+        kernels.rope_store: (f2, f1, f1, f1, t.float32, f2, f2, f3, f3, i2, t.float32, f3),
+        step.rotate_sinks: (f3, f3, f3, f3, a(t.int64, 1), a(t.float64, 1), t.float32)}
+for kernel, sig in sigs.items():
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    print(kernel.py_func.__name__, len(re.findall(r'\bfma\.rn\.f32', ptx)),
+          len(re.findall(r'\bmul\.rn\.f32', ptx)))
+""")
+    counts = {name: (int(fma), int(mul)) for name, fma, mul in map(str.split, out.splitlines())}
+    assert len(counts) == 4 and all(fma == 0 and mul > 0 for fma, mul in counts.values()), counts
+
+
 def test_q_gemv_compiles_for_the_gpu():
     """The GEMVs' hardware branches, which the simulator does not run, compiled to PTX for a
     Hopper GPU: the lanes' sums by warp shuffles, the barriers of x's staging, split-K's fence
@@ -599,8 +661,8 @@ def test_cuda_runs_the_quantized_cache_as_the_reference(micro, policy, prompt, k
         assert np.array_equal(got.argmax(-1), want.argmax(-1))
     a, b = (c.k for c in caches)
     assert np.array_equal(caches[0].slot_pos, caches[1].slot_pos)
-    for name in ("where", "owner", "stamp"):
-        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    for name in ("where", "owner", "stamp"):        # (the device's brought to the host first)
+        assert np.array_equal(models[0].backend.to_numpy(getattr(a, name)), getattr(b, name)), name
     assert (a.where[..., 1:3] < 0).any(axis=-1).all()     # a sealed block, read as codes
 
 
@@ -646,7 +708,8 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
         return str(t)
 
     def record(kernel, grid, block, *args):
-        seen.add(json.dumps([kernel.fn.__module__, kernel.fn.__name__, [spec(a) for a in args]]))
+        fn = kernel.py_func        # (the simulator's FakeCUDAKernel and numba-cuda's dispatcher)
+        seen.add(json.dumps([fn.__module__, fn.__name__, [spec(a) for a in args]]))
         launch(kernel, grid, block, *args)
 
     monkeypatch.setattr(launchers, "launch", record)

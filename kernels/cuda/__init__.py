@@ -12,6 +12,10 @@ host memory, which the launchers hand the kernels as NumPy views. Kernels compil
 machine (cache=True).
 """
 
-from .backend import CudaBackend, unavailable
+from . import numpy_names
+
+numpy_names.restore()      # (before any kernel here compiles: numba-cuda's target names them)
+
+from .backend import CudaBackend, unavailable  # noqa: E402
 
 __all__ = ["CudaBackend", "unavailable"]

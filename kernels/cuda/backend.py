@@ -224,7 +224,7 @@ def unavailable() -> str | None:
     try:
         import torch
     except ImportError:
-        return "the CUDA backend needs PyTorch built with CUDA (pip install torch)"
+        return 'the CUDA backend needs PyTorch built with CUDA (pip install "tinyrt[cuda]")'
     if not torch.cuda.is_available():
         return "PyTorch sees no CUDA GPU (no device, no driver, or a CPU-only build of torch)"
     if not cuda.is_available():
@@ -233,5 +233,6 @@ def unavailable() -> str | None:
 
     if not nvvm.is_available():      # (the kernels compile through it; torch's wheels lack it)
         return ("Numba finds no libNVVM to compile the CUDA kernels with (torch's wheels do not "
-                "ship it): install the CUDA toolkit, or set CUDA_HOME to one")
+                "ship it): pip install \"tinyrt[cuda]\" (or tinyrt[cuda12] for CUDA 12), or "
+                "install the CUDA toolkit, or set CUDA_HOME to one")
     return None

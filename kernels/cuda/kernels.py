@@ -14,7 +14,7 @@ import math
 from numba import cuda, float32
 
 from .primitives import (LANES, NORM_THREADS, ROWS, SIM, THREADS, block_reduce, clip, greater,
-                         lesser, visible)
+                         lesser, rotate, square_add, visible)
 
 
 # Numba's CUDA simulator has no warp shuffles (cuda.shfl_*_sync raise there): so the sum of a
@@ -83,7 +83,7 @@ def add_rmsnorm(x, d, add, w, eps, y):
     for i in range(tid, n, threads):
         if add:
             x[t, i] += d[t, i]
-        acc += x[t, i] * x[t, i]
+        acc = square_add(acc, x[t, i])
     inv = _inv_rms(block_reduce(part, tid, acc, False), n, eps)
     for i in range(tid, n, threads):
         y[t, i] = x[t, i] * inv * w[i]
@@ -100,8 +100,7 @@ def rope(x, cos, sin, y):
         n, i = rest // half, rest % half
         c, s = cos[t, i], sin[t, i]
         x1, x2 = x[t, n, i], x[t, n, i + half]
-        y[t, n, i] = x1 * c - x2 * s
-        y[t, n, i + half] = x2 * c + x1 * s
+        y[t, n, i], y[t, n, i + half] = rotate(x1, x2, c, s)
 
 
 @cuda.jit(cache=True)
@@ -157,15 +156,14 @@ def rope_store(qkv, bias, q_norm, k_norm, eps, cos, sin, k_buf, v_buf, slots, to
     if norm.shape[0] > 0:                # (the same branch in the whole block: it syncs)
         acc = float32(0)
         for i in range(tid, D, threads):
-            x = _biased(qkv, bias, t, at + i)
-            acc += x * x
+            acc = square_add(acc, _biased(qkv, bias, t, at + i))
         inv = _inv_rms(block_reduce(part, tid, acc, False), D, eps)
     for i in range(tid, half, threads):
         x1, x2 = _biased(qkv, bias, t, at + i), _biased(qkv, bias, t, at + i + half)
         if norm.shape[0] > 0:            # (rounded to float32 as the norm's output is)
             x1, x2 = float32(x1 * inv * norm[i]), float32(x2 * inv * norm[i + half])
         c, s = cos[t, i], sin[t, i]
-        y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+        y1, y2 = rotate(x1, x2, c, s)
         if h < Q:
             q[t, h, i], q[t, h, i + half] = y1, y2
         else:

@@ -11,30 +11,13 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, types, uint8
 
-from .primitives import HALF_MAX, SIM, THREADS, block_reduce, clip, greater, visible
+from .primitives import (HALF_MAX, THREADS, add_rn as _add_rn, block_reduce, clip, greater,
+                         mul_rn as _mul_rn, visible)
 
 _TOP16 = np.float32(HALF_MAX)
 _NEVER = np.iinfo(np.int64).max
 MAX_CODES = 256      # the most codes in a row of a quantized cache: its block (slots per key
                      # channel) and its head dim (channels per value slot)
-
-# code * scale + zero rounded twice, as kv_quant (NumPy) does: NVVM contracts a float32 multiply
-# and add into one fused multiply-add unless each is rounded explicitly (libdevice's _rn forms,
-# PTX mul.rn / add.rn, which are never fused), and a block reopened a rounding apart from the
-# reference would drift from it. The simulator's NumPy float32 arithmetic rounds every step.
-if SIM:
-    @cuda.jit(device=True)
-    def _mul_rn(a, b):
-        return a * b
-
-    @cuda.jit(device=True)
-    def _add_rn(a, b):
-        return a + b
-else:
-    from numba.cuda import libdevice
-
-    _mul_rn, _add_rn = libdevice.fmul_rn, libdevice.fadd_rn
-
 
 @cuda.jit(device=True)
 def _softmax(probs, h, S, part, tid, top):

@@ -47,6 +47,38 @@ def clip(x, lo, hi):
     return lo if x < lo else hi if x > hi else x
 
 
+# Products and sums rounded one at a time, as NumPy's float32 arithmetic (the reference) rounds
+# them: NVVM contracts a float32 multiply and add into one fused multiply-add unless each is
+# rounded explicitly (libdevice's _rn forms, PTX mul.rn / add.rn, which are never fused), and it
+# contracts differently in different kernels (a fused kernel and the ops one by one then part
+# in the last bit). The simulator's NumPy float32 arithmetic rounds every step.
+if SIM:
+    @cuda.jit(device=True)
+    def mul_rn(a, b):
+        return a * b
+
+    @cuda.jit(device=True)
+    def add_rn(a, b):
+        return a + b
+else:
+    from numba.cuda import libdevice
+
+    mul_rn, add_rn = libdevice.fmul_rn, libdevice.fadd_rn
+
+
+@cuda.jit(device=True)
+def rotate(x1, x2, c, s):
+    """The pair (x1, x2) rotated by the angle of cos c, sin s: (x1 c - x2 s, x2 c + x1 s), each
+    product and sum rounded as reference.rope's NumPy float32 ops round them (see mul_rn)."""
+    return (add_rn(mul_rn(x1, c), -mul_rn(x2, s)), add_rn(mul_rn(x2, c), mul_rn(x1, s)))
+
+
+@cuda.jit(device=True)
+def square_add(acc, x):
+    """acc + x x, rounded twice: every kernel's sum of squares the same floats (see mul_rn)."""
+    return add_rn(acc, mul_rn(x, x))
+
+
 @cuda.jit(device=True)
 def block_reduce(part, tid, value, take_max):
     """The sum (or, with take_max, the largest) of `value` over the block's threads (a power of

@@ -18,7 +18,7 @@ from numba import cuda, float32, float64, int64
 from . import launchers
 from .launchers import blocks
 # (THREADS: imported, a constant where a kernel compiles)
-from .primitives import HALF_MAX, THREADS, clip, greater
+from .primitives import HALF_MAX, THREADS, clip, greater, rotate
 
 
 # the fields of `state` (int64): this step's position and (dense/sink) slot; the next position;
@@ -136,15 +136,15 @@ def rotate_sinks(k, v, sink_k, sink_v, state, inv_freq, top):
         ang = float64(i) * float64(inv_freq[d])
         c, s = float32(math.cos(ang)), float32(math.sin(ang))
         x1, x2 = float32(k[r, i, d]), float32(k[r, i, d + half])
-        sink_k[i, r, d] = x1 * c + x2 * s                 # rotated by -angle
-        sink_k[i, r, d + half] = x2 * c - x1 * s
+        sink_k[i, r, d], sink_k[i, r, d + half] = rotate(x1, x2, c, -s)   # by -angle
         sink_v[i, r, d] = float32(v[r, i, d])
         sink_v[i, r, d + half] = float32(v[r, i, d + half])
     ang = float64(i + shift) * float64(inv_freq[d])
     c, s = float32(math.cos(ang)), float32(math.sin(ang))
     x1, x2 = sink_k[i, r, d], sink_k[i, r, d + half]
-    k[r, i, d] = clip(x1 * c - x2 * s, -top, top)
-    k[r, i, d + half] = clip(x2 * c + x1 * s, -top, top)
+    y1, y2 = rotate(x1, x2, c, s)
+    k[r, i, d] = clip(y1, -top, top)
+    k[r, i, d + half] = clip(y2, -top, top)
     v[r, i, d] = clip(sink_v[i, r, d], -top, top)
     v[r, i, d + half] = clip(sink_v[i, r, d + half], -top, top)
 
