@@ -5,16 +5,17 @@ Models: `llama2-7b` and `llama3-8b` are random-weight AWQ model directories of L
 14336, 8 KV heads, vocab 128256, rope theta 5e5): 4-bit codes in groups of 128 in AutoAWQ's GEMM
 layout (kernels/awq_layout.py; random codes, zero point 8, float16 scales), a float16 embedding
 and head, a byte-level tokenizer (the prompts are random ids). They are written once under
---workdir, a tensor at a time, and reused. `default` is the default model's GGUF (Q4_1) from
-tinyrt's cache, or --default-model. Nothing is downloaded.
+--workdir (their chunks made on up to 16 threads, each from a seed of its own) and reused.
+`default` is the default model's GGUF (Q4_1) from tinyrt's cache, or --default-model. Nothing is
+downloaded.
 
 For each model and context C (--contexts), tinyrt (`tinyrt.load(MODEL, device=..., kv_size=...)`,
 tinyrt.bench.timed_runs: the generation loop a reply runs) prefills C random token ids into an
 empty cache (prefill tok/s = C / that time, the last token's logits and its draw included), then
 decodes --decode-tokens greedy tokens after them (decode tok/s: on a GPU the decode steps run on
 the device, replayed as one CUDA graph after an eager first step and the capture, both counted;
---no-cuda-graph runs them eagerly); medians of --runs runs, after a warm-up run that compiles
-the kernels.
+--no-cuda-graph runs them eagerly); medians of --runs runs (one count, or one a context: 3,2),
+each run's figures beside them, after a warm-up run that compiles the kernels.
 GB/s is the bytes one decoded token reads (the prepared weights as tinyrt/bench.py counts them,
 the embedding left out, plus the KV cache at its mean length over the decode) times decode tok/s,
 shown as a share of the device's copy bandwidth (a 1 GiB torch tensor copied device to device,
@@ -25,6 +26,9 @@ init in float16 (float32 on --device cpu), run eagerly (no compile, no CUDA grap
 id crosses to the host each step, as a streamed reply needs). A shape whose weights and cache
 would not fit in the GPU's free memory is skipped with a note. If one engine fails, its error is
 reported and the other's figures still stand; a package that is not installed is one line.
+With --json, each engine's figures so far go to stderr as one line (`MODEL: ENGINE: {...}`) as
+each context is measured, so that they stand where the run is cut short; and the seconds each
+part took (writing a model, tinyrt's load, warm-up and contexts, transformers') are recorded.
 
     # on a CUDA machine (torch with CUDA, transformers, Numba with libNVVM); the first run writes
     # ~3.9 GB (llama2-7b) and ~5.7 GB (llama3-8b) of model files under --workdir
@@ -35,23 +39,25 @@ reported and the other's figures still stand; a package that is not installed is
     # a GPU machine with no network (tinyrt not installed there): prepare here, one model a run
     bash benchmarks/gpu_offline.sh prepare            # here: .gpu_offline/, to bring along
     bash benchmarks/gpu_offline.sh run --models llama2-7b      # there: python benchmarks/gpu.py
-
-No figures from this script exist yet: it has not run on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import inspect
 import json
 import math
+import os
 import statistics
 import struct
 import sys
 import tempfile
 import time
 import traceback
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -79,14 +85,18 @@ ZERO8 = np.uint32(0x88888888).view(np.int32)     # eight 4-bit zero points of 8
 
 # -- random-weight AWQ model directories ---------------------------------------------------------
 
-def _once(make):
-    yield make()
+def _seeded(seed: int, name: str, k: int, make):
+    """A chunk of tensor `name`, made by make(rng) with a generator of its own (seed, the name,
+    the chunk): the same bytes whichever thread makes it, and a tensor the same draws in every
+    model that has it (a 4-layer copy's are the full model's, its output projections' scales
+    but for their depth's factor)."""
+    return lambda: make(np.random.default_rng([seed, zlib.crc32(name.encode()), k]))
 
 
-def _normal(rng, shape, std, rows=4096):
-    for r in range(0, shape[0], rows):
-        x = rng.standard_normal((min(rows, shape[0] - r), *shape[1:]), dtype=np.float32)
-        yield (x * std).astype(np.float16)
+def _normal(seed: int, name: str, shape: tuple, std: float, rows: int = 4096) -> list:
+    return [_seeded(seed, name, r, lambda rng, n=min(rows, shape[0] - r): (
+                rng.standard_normal((n, *shape[1:]), dtype=np.float32) * std).astype(np.float16))
+            for r in range(0, shape[0], rows)]
 
 
 def centred(raw: bytes) -> np.ndarray:
@@ -100,30 +110,30 @@ def centred(raw: bytes) -> np.ndarray:
 
 def model_tensors(s: dict, seed: int = 0) -> list:
     """(name, safetensors dtype, shape, chunks) of every tensor of an AWQ model of shape s; the
-    chunks are generators, run as the file is written."""
+    chunks are functions that make them (in any order, on any thread: see _seeded)."""
     from tinyrt.kernels import awq_layout
 
-    rng = np.random.default_rng(seed)
     H, I, L, V = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     Q, G = s["num_attention_heads"], s["num_key_value_heads"]
     D, std = H // Q, 0.02
     out_std = std / math.sqrt(2 * L)             # output projections, as GPT-2 initializes them
 
     def norm(name):
-        return (name, "F16", (H,),
-                _once(lambda: (1 + 0.02 * rng.standard_normal(H)).astype(np.float16)))
+        return (name, "F16", (H,), [_seeded(seed, name, 0, lambda rng: (
+                    1 + 0.02 * rng.standard_normal(H)).astype(np.float16))])
 
     def linear(name, out, inp, sd):              # (codes - 8) have a std of 4.6
         sh = awq_layout.shapes(inp, out, AWQ["group_size"])
         words = math.prod(sh["qweight"])
-        return [(f"{name}.qweight", "I32", sh["qweight"], _once(
-                    lambda: centred(rng.bytes(4 * words)).reshape(sh["qweight"]))),
+        return [(f"{name}.qweight", "I32", sh["qweight"], [_seeded(seed, name, 0, lambda rng: (
+                    centred(rng.bytes(4 * words)).reshape(sh["qweight"])))]),
                 (f"{name}.qzeros", "I32", sh["qzeros"],
-                 _once(lambda: np.full(sh["qzeros"], ZERO8))),
-                (f"{name}.scales", "F16", sh["scales"], _once(
-                    lambda: (rng.uniform(0.5, 1.5, sh["scales"]) * sd / 4.6).astype(np.float16)))]
+                 [lambda: np.full(sh["qzeros"], ZERO8)]),
+                (f"{name}.scales", "F16", sh["scales"], [_seeded(seed, name, 1, lambda rng: (
+                    rng.uniform(0.5, 1.5, sh["scales"]) * sd / 4.6).astype(np.float16))])]
 
-    t = [("model.embed_tokens.weight", "F16", (V, H), _normal(rng, (V, H), std))]
+    emb = "model.embed_tokens.weight"
+    t = [(emb, "F16", (V, H), _normal(seed, emb, (V, H), std))]
     for i in range(L):
         p = f"model.layers.{i}."
         t += [norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")]
@@ -135,11 +145,14 @@ def model_tensors(s: dict, seed: int = 0) -> list:
                                    ("mlp.down_proj", H, I, out_std)):
             t += linear(p + name, out, inp, sd)
     return t + [norm("model.norm.weight"),
-                ("lm_head.weight", "F16", (V, H), _normal(rng, (V, H), std))]
+                ("lm_head.weight", "F16", (V, H), _normal(seed, "lm_head.weight", (V, H), std))]
 
 
-def write_safetensors(path: Path, tensors: list) -> None:
-    """A safetensors file as the format defines it, one chunk in memory at a time."""
+def write_safetensors(path: Path, tensors: list, threads: int | None = None) -> None:
+    """A safetensors file as the format defines it, its chunks made by `threads` threads (NumPy's
+    generators and casts let go of the GIL: the 8B's 5.7 GB took 55 s on one core) and written
+    in order, at most 2 * threads of them in memory."""
+    threads = threads or min(16, os.cpu_count() or 1)
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for name, dtype, shape, _ in tensors:
         n = math.prod(shape) * {"I32": 4, "F16": 2}[dtype]
@@ -147,11 +160,15 @@ def write_safetensors(path: Path, tensors: list) -> None:
         off += n
     h = json.dumps(header).encode()
     h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, ThreadPoolExecutor(threads) as pool:
         f.write(struct.pack("<Q", len(h)) + h)
-        for *_, chunks in tensors:
-            for a in chunks:
-                np.ascontiguousarray(a).tofile(f)
+        ahead: collections.deque = collections.deque()
+        for make in (make for *_, chunks in tensors for make in chunks):
+            ahead.append(pool.submit(make))
+            if len(ahead) >= 2 * threads:
+                np.ascontiguousarray(ahead.popleft().result()).tofile(f)
+        while ahead:
+            np.ascontiguousarray(ahead.popleft().result()).tofile(f)
 
 
 def awq_model(workdir: Path, name: str, shape: dict, smoke: bool) -> Path:
@@ -238,11 +255,24 @@ def default_gguf() -> Path:
     return cache_dir() / "gguf" / Path(KNOWN_MODELS[DEFAULT_MODEL].member).name
 
 
-def bench_tinyrt(path: Path, args, contexts: list[int]) -> tuple[dict, dict]:
-    """tinyrt's figures per context, and the model's shape as tinyrt loaded it."""
+def emit(args, name: str, engine: str, figures: dict) -> None:
+    """With --json, an engine's figures so far on stderr, one line as soon as measured (the last
+    line of each stands where a step that runs this script is cut short: gpu_summary.py)."""
+    if args.json:
+        print(f"{name}: {engine}: {json.dumps(figures)}", file=sys.stderr, flush=True)
+
+
+def runs_of(args, ctx: int) -> int:
+    return args.runs[args.contexts.index(ctx)]
+
+
+def bench_tinyrt(name: str, path: Path, args, contexts: list[int]) -> tuple[dict, dict]:
+    """tinyrt's figures per context (each context's emitted as measured), and the model's
+    shape as tinyrt loaded it."""
     import tinyrt
     from tinyrt.bench import timed_runs
 
+    start = time.perf_counter()
     llm = tinyrt.load(str(path), device=args.device, threads=args.threads, quiet=True,
                       cuda_graph=args.cuda_graph, kv_size=max(contexts) + args.decode_tokens + 8)
     model, cache, c = llm.model, llm.cache, llm.config
@@ -252,16 +282,27 @@ def bench_tinyrt(path: Path, args, contexts: list[int]) -> tuple[dict, dict]:
         from tinyrt.bench import weight_bytes as theirs
 
         assert theirs(model) == w_bytes, (theirs(model), w_bytes)
+    warm = time.perf_counter()
     timed_runs(llm, prompt(contexts[0], c.vocab_size), 3, 1)     # warm-up: compiles
-    out = {"load_s": llm.load_s, "weight_mb_per_token": w_bytes / 1e6, "contexts": {}}
+    out = {"load_s": llm.load_s, "warm_up_s": time.perf_counter() - warm,
+           "weight_mb_per_token": w_bytes / 1e6, "contexts": {}}
+    emit(args, name, "tinyrt", out)
     for ctx in contexts:
+        t = time.perf_counter()
         ttft, decode, _ = timed_runs(llm, prompt(ctx, c.vocab_size), args.decode_tokens,
-                                     args.runs)
+                                     runs_of(args, ctx))
         step = statistics.median(decode)
         kv = cache.bytes_per_token * (ctx + args.decode_tokens / 2)
+        gb_s = (w_bytes + kv) / step / 1e9
         out["contexts"][ctx] = {"prefill_tok_s": ctx / statistics.median(ttft),
                                 "decode_tok_s": 1 / step, "kv_mb_per_token": kv / 1e6,
-                                "gb_s": (w_bytes + kv) / step / 1e9}
+                                "gb_s": gb_s, "pct_copy_bw": 100 * gb_s / args.copy_gb_s,
+                                "runs": len(decode),
+                                "prefill_tok_s_runs": [ctx / x for x in ttft],
+                                "decode_tok_s_runs": [1 / x for x in decode],
+                                "wall_s": time.perf_counter() - t}
+        out["wall_s"] = time.perf_counter() - start
+        emit(args, name, "tinyrt", out)
     return out, shape
 
 
@@ -272,11 +313,13 @@ def hf_params(s: dict) -> int:
     return V * H * (1 if s.get("tie_word_embeddings") else 2) + L * (attn + 3 * H * I + 2 * H) + H
 
 
-def bench_hf(shape: dict, args, contexts: list[int]) -> dict:
-    """transformers' figures per context, for a random LlamaForCausalLM of `shape`."""
+def bench_hf(name: str, shape: dict, args, contexts: list[int]) -> dict:
+    """transformers' figures per context (each context's emitted as measured), for a random
+    LlamaForCausalLM of `shape`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    start = time.perf_counter()
     dtype = torch.float16 if args.device == "cuda" else torch.float32
     ctx_max = max(contexts) + args.decode_tokens + 8
     if args.device == "cuda":
@@ -303,29 +346,39 @@ def bench_hf(shape: dict, args, contexts: list[int]) -> dict:
         out = model(input_ids=ids, use_cache=True, **{kv_arg: past}, **keep)
         return getattr(out, kv_arg), out.logits[:, -1:].argmax(-1)
 
-    out = {"dtype": str(dtype).removeprefix("torch."), "attn": args.hf_attn, "contexts": {}}
+    out = {"dtype": str(dtype).removeprefix("torch."), "attn": args.hf_attn,
+           "init_s": time.perf_counter() - start, "contexts": {}}
     with torch.inference_mode():
-        for n in (8, contexts[0]):                  # warm-up: a short and the first prompt
+        # warm-up: a short prompt and each context's (a prefill of 4096 is a fraction of a
+        # second here, and a first call's setup would weigh on a median of 2)
+        for n in (8, *contexts):
             past, tok = step(torch.arange(2, n + 2, device=args.device)[None])
             for _ in range(3):
                 past, tok = step(tok, past)
         for ctx in contexts:
+            t = time.perf_counter()
             ids = torch.tensor(prompt(ctx, shape["vocab_size"]), device=args.device)[None]
             ttft, decode = [], []
-            for _ in range(args.runs):
+            for _ in range(runs_of(args, ctx)):
                 past = None
                 sync(args.device)
-                start = time.perf_counter()
+                begin = time.perf_counter()
                 past, tok = step(ids)
                 int(tok)                            # the first token on the host, as tinyrt's
-                ttft.append(time.perf_counter() - start)
-                start = time.perf_counter()
+                ttft.append(time.perf_counter() - begin)
+                begin = time.perf_counter()
                 for _ in range(args.decode_tokens):
                     past, tok = step(tok, past)
                 sync(args.device)
-                decode.append((time.perf_counter() - start) / args.decode_tokens)
+                decode.append((time.perf_counter() - begin) / args.decode_tokens)
             out["contexts"][ctx] = {"prefill_tok_s": ctx / statistics.median(ttft),
-                                    "decode_tok_s": 1 / statistics.median(decode)}
+                                    "decode_tok_s": 1 / statistics.median(decode),
+                                    "runs": len(decode),
+                                    "prefill_tok_s_runs": [ctx / x for x in ttft],
+                                    "decode_tok_s_runs": [1 / x for x in decode],
+                                    "wall_s": time.perf_counter() - t}
+            out["wall_s"] = time.perf_counter() - start
+            emit(args, name, "transformers", out)
     return out
 
 
@@ -390,7 +443,7 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(MODELS), help=f"subset of {','.join(MODELS)}")
     ap.add_argument("--contexts", help="prompt lengths (default 512,4096; --smoke 64,256)")
     ap.add_argument("--decode-tokens", type=int, help="default 128 (--smoke 16)")
-    ap.add_argument("--runs", type=int, help="medians of (default 3, --smoke 2)")
+    ap.add_argument("--runs", help="medians of (default 3, --smoke 2); one a context: 3,2")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--smoke", action="store_true", help="toy shapes (2 layers, hidden 256)")
     ap.add_argument("--threads", type=int, help="CPU threads (tinyrt's and torch's)")
@@ -406,9 +459,15 @@ def main() -> int:
     if bad := [n for n in names if n not in MODELS]:
         ap.error(f"unknown model {bad[0]!r} (choose from {', '.join(MODELS)})")
     contexts = args.contexts or ("64,256" if args.smoke else "512,4096")
-    contexts = [int(c) for c in contexts.split(",")]
+    contexts = args.contexts = [int(c) for c in contexts.split(",")]
     args.decode_tokens = args.decode_tokens or (16 if args.smoke else 128)
-    args.runs = args.runs or (2 if args.smoke else 3)
+    try:
+        runs = [int(r) for r in (args.runs or ("2" if args.smoke else "3")).split(",")]
+    except ValueError:
+        runs = []
+    if len(runs) not in (1, len(contexts)) or min(runs) < 1:
+        ap.error(f"--runs: one count, or one a context ({len(contexts)}), each at least 1")
+    args.runs = runs * len(contexts) if len(runs) == 1 else runs
 
     import platform
 
@@ -425,13 +484,16 @@ def main() -> int:
         sys.exit("torch sees no CUDA GPU (--device cpu --smoke runs the script without one)")
     device = (torch.cuda.get_device_name() if args.device == "cuda"
               else f"cpu ({platform.processor() or platform.machine()})")
-    bw = copy_bandwidth(args.device, 2**30 if args.device == "cuda" else 2**26)
+    bw = args.copy_gb_s = copy_bandwidth(args.device, 2**30 if args.device == "cuda" else 2**26)
     report = {"device": device, "copy_gb_s": bw, "torch": torch.__version__,
               "transformers": transformers and transformers.__version__, "smoke": args.smoke,
-              "decode_tokens": args.decode_tokens, "runs": args.runs, "models": {}}
+              "decode_tokens": args.decode_tokens, "runs": dict(zip(contexts, args.runs)),
+              "models": {}}
+    emit(args, "device", "copy", {k: report[k] for k in ("device", "copy_gb_s", "torch")})
     if not args.json:
+        runs = "/".join(map(str, args.runs))
         print(f"{device}: torch copy {bw:.0f} GB/s (read + write); {args.decode_tokens} greedy "
-              f"tokens decoded after each context; medians of {args.runs} runs")
+              f"tokens decoded after each context; medians of {runs} runs")
     args.workdir.mkdir(parents=True, exist_ok=True)
     shapes = SMOKE if args.smoke else SHAPES
     for name in names:
@@ -445,27 +507,28 @@ def main() -> int:
                           "is a network; or give --default-model)", file=sys.stderr)
                     continue
             else:
+                start = time.perf_counter()
                 path = awq_model(args.workdir, name, shapes[name], args.smoke)
+                written = time.perf_counter() - start
                 source = f"random weights, AWQ 4-bit g128{', smoke shape' if args.smoke else ''}"
         except ModuleNotFoundError as e:
             hint = " (or give --default-model)" if name == "default" else ""
             print(f"{name}: skipped: {missing(e)}{hint}", file=sys.stderr)
             continue
         m = {"source": source, "path": str(path), "contexts": contexts}
-        m["tinyrt"], shape = guarded(name, "tinyrt", bench_tinyrt, path, args, contexts), None
+        if name != "default":
+            m["write_s"] = written          # (0 where an earlier run wrote it)
+        m["tinyrt"], shape = guarded(name, "tinyrt", bench_tinyrt, name, path, args, contexts), None
         if isinstance(m["tinyrt"], tuple):
             m["tinyrt"], shape = m["tinyrt"]
-            if args.json:     # (on stderr now: they stand if the peer's run is cut short)
-                print(f"{name}: tinyrt: {json.dumps(m['tinyrt'])}", file=sys.stderr, flush=True)
         elif name != "default":
             shape = dict(shapes[name], tie_word_embeddings=False)
         m["shape"], m["params"] = shape, shape and hf_params(shape)
         m["transformers"] = (
             {"skipped": "no shape (tinyrt did not load it)"} if not shape
             else {"skipped": "not installed"} if transformers is None
-            else guarded(name, "transformers", bench_hf, shape, args, contexts))
+            else guarded(name, "transformers", bench_hf, name, shape, args, contexts))
         for ctx, a in m["tinyrt"].get("contexts", {}).items():
-            a["pct_copy_bw"] = 100 * a["gb_s"] / bw
             if b := m["transformers"].get("contexts", {}).get(ctx):
                 a["ratio_vs_transformers"] = a["decode_tok_s"] / b["decode_tok_s"]
         report["models"][name] = m

@@ -14,12 +14,18 @@ The check of a GPU machine's first minutes (docs/GPU.md, `gpu_offline.sh first`)
    sums decides (the tokens after it are not compared); else a fault.
 3. profile (a GPU only): torch.profiler over a reply's decode steps, captured and eager (its
    first step, eager in both, left out): every kernel's launches and microseconds a step
-   (CUPTI sees Numba's launches).
+   (CUPTI sees Numba's launches), after the prompt; and, captured, after a prompt of each of
+   --profile-contexts random ids (attention's share grows with the context).
+
+With --json the result so far also goes to stderr as one line (`gpu_check: {...}`) after the
+comparison and after each profile, so that what was measured stands where the run is cut short;
+`wall_s` says what each part took.
 
 The model is one of gpu.py's (random-weight AWQ directories written under --workdir, gpu.py's
 folder; cut to its first --layers layers, 4 by default: every kernel at the full model's launch
 shapes, for an eighth of the loads and of the CPU's decode), `default` (the default model's GGUF:
-from tinyrt's cache or --default-model), or a model path. Exit status 0 when the devices agree
+from tinyrt's cache or --default-model), or a model path; --smoke: a toy model of 1 layer (with
+--model llama3-8b, grouped-query: 2 heads, 1 KV head). Exit status 0 when the devices agree
 (equal tokens, or parted at a near tie), 1 when they do not.
 
     python benchmarks/gpu_check.py --model llama2-7b --json > check.json      # on a GPU
@@ -34,6 +40,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,10 +51,14 @@ PROMPT = "The history of the city begins with a small settlement on the river, w
 SMOKE_SHAPE = dict(gpu.SMOKE["llama2-7b"], hidden_size=128, intermediate_size=256,
                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                    vocab_size=258)      # (the byte tokenizer's 258 ids; AWQ groups of 128)
+# --smoke --model llama3-8b: its family's grouped-query attention (2 heads, 1 KV head)
+SMOKE_GQA = dict(SMOKE_SHAPE, num_key_value_heads=1, rope_theta=500000.0)
 
 
 def model_path(args) -> Path:
     if args.smoke:
+        if args.model == "llama3-8b":
+            return gpu.awq_model(args.workdir, "check-gqa", SMOKE_GQA, smoke=True)
         return gpu.awq_model(args.workdir, "check", SMOKE_SHAPE, smoke=True)
     if args.model == "default":
         path = args.default_model or gpu.default_gguf()
@@ -128,7 +139,8 @@ def profile(llm, ids: list[int], steps: int) -> dict:
         if count > c0:
             per[name] = {"launches": (count - c0) / (steps - 1), "us": (us - us0) / (steps - 1)}
     per = dict(sorted(per.items(), key=lambda kv: -kv[1]["us"]))
-    return {"steps": steps - 1, "kernels": per,
+    # (the cache holds the prompt and the tokens before each profiled step)
+    return {"steps": steps - 1, "context": [len(ids) + 1, len(ids) + steps - 1], "kernels": per,
             "launches": sum(k["launches"] for k in per.values()),
             "us": sum(k["us"] for k in per.values())}
 
@@ -150,7 +162,9 @@ def report(r: dict) -> str:
             + ("a near tie" if p["near_tie"] else "A FAULT")))
     same = "the same" if r["graph_equals_eager"] else "DIFFERENT"
     lines.append(f"  graph and eager steps: {same} tokens; gpu text: {r['gpu_text']!r}")
-    for how, p in r.get("profile", {}).items():
+    profiles = [*r.get("profile", {}).items(),
+                *((f"graph, context {c}", p) for c, p in r.get("profile_at", {}).items())]
+    for how, p in profiles:
         if "kernels" not in p:
             lines.append(f"  profile ({how}): {p.get('skipped') or p.get('error')}")
             continue
@@ -173,6 +187,9 @@ def main() -> int:
                     help="a parting under this share of the logits' spread is a near tie")
     ap.add_argument("--profile-steps", type=int, default=9,
                     help="decode steps of the profiled reply (the first left out; default 9)")
+    ap.add_argument("--profile-contexts", default="",
+                    help="also profile the captured step after random prompts of these lengths "
+                         "(e.g. 512,4096)")
     ap.add_argument("--threads", type=int, help="the CPU path's threads")
     ap.add_argument("--workdir", type=Path,
                     default=Path(tempfile.gettempdir()) / "tinyrt_gpu_bench")
@@ -183,10 +200,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.model not in gpu.MODELS and not Path(args.model).exists():
         ap.error(f"no model {args.model!r} (choose from {', '.join(gpu.MODELS)}, or a path)")
-    if args.tokens < 1 or args.profile_steps < 2 or args.layers < 0:
-        ap.error("--tokens must be at least 1, --profile-steps 2, --layers 0")
-    if args.smoke:                       # (the simulator runs a CUDA thread as a Python thread)
-        args.tokens = min(args.tokens, 4)
+    try:
+        contexts = [int(c) for c in args.profile_contexts.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--profile-contexts: {args.profile_contexts!r} is not a list of lengths")
+    if args.tokens < 1 or args.profile_steps < 2 or args.layers < 0 or min(contexts, default=1) < 1:
+        ap.error("--tokens must be at least 1, --profile-steps 2, --layers 0, a context 1")
+    if args.smoke:      # (the simulator runs a CUDA thread as a Python thread: a toy model's
+        # decode step takes seconds; 2 tokens: the prompt's, then one decode step's)
+        args.tokens = min(args.tokens, 2)
         if ctypes.util.find_library("cuda") is None:      # (read when numba.cuda is imported)
             os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
             # the simulator's barriers wait on a thread switch: 10 ms each at Python's 5 ms
@@ -199,15 +221,30 @@ def main() -> int:
     if not (on_gpu or args.smoke):
         sys.exit("gpu_check: torch sees no CUDA GPU (--smoke runs it in Numba's simulator)")
     args.workdir.mkdir(parents=True, exist_ok=True)
+    wall, clock = {}, time.perf_counter()
+
+    def took(part):
+        nonlocal clock
+        wall[part], clock = time.perf_counter() - clock, time.perf_counter()
+
+    def partial(r):              # what is measured so far, on stderr (see the docstring)
+        if args.json:
+            print(f"gpu_check: {json.dumps(r)}", file=sys.stderr, flush=True)
+
     path = model_path(args)
-    gpu_llm = tinyrt.load(str(path), device="cuda", quiet=True)
+    took("model")
+    size = {"kv_size": max(contexts) + args.profile_steps + 8} if contexts and on_gpu else {}
+    gpu_llm = tinyrt.load(str(path), device="cuda", quiet=True, **size)
+    took("load_gpu")
     cpu_llm = tinyrt.load(str(path), device="cpu", threads=args.threads, quiet=True)
+    took("load_cpu")
     ids = gpu_llm.encode(PROMPT)[:8 if args.smoke else None]
     r = {"device": torch.cuda.get_device_name() if on_gpu else "Numba's CUDA simulator",
          "model": str(path), "layers": gpu_llm.config.num_hidden_layers,
-         "prompt_tokens": len(ids), "tokens": args.tokens}
+         "prompt_tokens": len(ids), "tokens": args.tokens, "wall_s": wall}
     r["logits_rel_err"] = rel_err(last_logits(gpu_llm, ids), last_logits(cpu_llm, ids))
     want = greedy(cpu_llm, ids, args.tokens)
+    took("logits_and_cpu_greedy")
     r["greedy"], got = {}, {}
     for how, graph in (("graph", True), ("eager", False)):
         gpu_llm.model.backend.cuda_graph = graph
@@ -215,16 +252,24 @@ def main() -> int:
         r["greedy"][how] = parting(gpu_llm, cpu_llm, ids, got[how], want, args.tie)
     r["graph_equals_eager"] = got["graph"] == got["eager"]
     r["gpu_text"] = gpu_llm.tokenizer.decode(got["graph"])
-    if on_gpu:
-        r["profile"] = {}
-        for how, graph in (("graph", True), ("eager", False)):
-            gpu_llm.model.backend.cuda_graph = graph
-            try:
-                r["profile"][how] = profile(gpu_llm, ids, args.profile_steps)
-            except Exception as e:                       # noqa: BLE001 (the check's figures stand)
-                r["profile"][how] = {"error": f"{type(e).__name__}: {e}"}
     r["agree"] = r["graph_equals_eager"] and all(p["equal"] or p["near_tie"]
                                                  for p in r["greedy"].values())
+    took("gpu_greedy")
+    partial(r)
+    if on_gpu:
+        r["profile"], r["profile_at"] = {}, {}
+        jobs = [(r["profile"], how, graph, ids) for how, graph in (("graph", True),
+                                                                   ("eager", False))]
+        jobs += [(r["profile_at"], c, True, gpu.prompt(c, gpu_llm.config.vocab_size).tolist())
+                 for c in contexts]
+        for where, key, graph, prompt_ids in jobs:
+            gpu_llm.model.backend.cuda_graph = graph
+            try:
+                where[key] = profile(gpu_llm, prompt_ids, args.profile_steps)
+            except Exception as e:                       # noqa: BLE001 (the check's figures stand)
+                where[key] = {"error": f"{type(e).__name__}: {e}"}
+            took(f"profile_{key}")
+            partial(r)
     print(json.dumps(r, indent=1) if args.json else report(r))
     return 0 if r["agree"] else 1
 

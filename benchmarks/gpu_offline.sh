@@ -35,7 +35,7 @@ trap cleanup EXIT
 
 usage() {
     echo "usage: bash benchmarks/gpu_offline.sh prepare | run [gpu.py's options]" \
-         "| check [gpu_check.py's options] | first DIR [MODEL] [--smoke]" >&2
+         "| check [gpu_check.py's options] | first DIR [MODEL,...] [--smoke]" >&2
     exit 2
 }
 
@@ -134,7 +134,15 @@ EOF
             say "note: no pure wheel of $name for Python $v"
     done <"$tmp/older.txt"
     sources_hash "$PY" >"$out/sources.sha256"
+    git -C "$ROOT" describe --always --dirty --abbrev=40 >"$out/commit.txt" 2>/dev/null ||
+        echo "(not a git checkout)" >"$out/commit.txt"
     (cd "$out/wheels" && ls) >"$out/wheels.txt"
+    # The step model's predictions, for first's summary to set beside what it measures (this
+    # needs tinyrt, Numba with libNVVM, ptxas and nvdisasm here; without them, none)
+    say "gpu_static.py --json (the step model's predictions) ..."
+    "$PY" "$ROOT/benchmarks/gpu_static.py" --json >"$out/gpu_static.json" 2>"$tmp/static.log" ||
+        { say "note: gpu_static.py failed, so no predictions in first's summary:" \
+              "$(tail -n1 "$tmp/static.log")"; rm -f "$out/gpu_static.json"; }
     remove_ours "$OFF"
     mv "$out" "$OFF"
     say "prepared .gpu_offline/ ($(du -sh "$OFF" | cut -f1)): $(basename "$wheel") and" \
@@ -163,49 +171,122 @@ installed() {
     cd "$ROOT"
 }
 
-# A GPU machine's first minutes (docs/GPU.md) in one command of under 10 minutes: gpu.py on one
-# model (the figures first: a step that overruns then costs the least), gpu_check.py on it
-# (greedy tokens against the CPU path, a profile of the step), then the kernel tests; each step
-# stopped at its limit and all by $FIRST_BUDGET seconds from the start (570, the install
-# included), each run from DIR (so that python finds the installed tinyrt, not the checkout's
-# tinyrt/), its output in DIR/STEP.out and .err, a line a step on stderr. The tests: those of the
-# CUDA kernels and the device's decode step, or $GPU_TESTS (paths in the checkout). --smoke: the
-# same steps without a GPU (toy models on the CPU device and in Numba's CUDA simulator).
+# A GPU machine's first minutes (docs/GPU.md) in one command of under 10 minutes, every figure in
+# DIR/summary.json (benchmarks/gpu_summary.py; written also where steps fail or are skipped), each
+# step run from DIR (so that python finds the installed tinyrt, not the checkout's tinyrt/), its
+# output in DIR/STEP.out and .err, its status and wall seconds in DIR/steps.tsv, a line a step on
+# stderr; all by $FIRST_BUDGET seconds from the start (570, the install included). MODELS: gpu.py's
+# (llama2-7b,llama3-8b by default), the first checked in full, the others with few tokens. The
+# tests: those of the CUDA kernels and the device's decode step, or $GPU_TESTS (paths in the
+# checkout). --smoke: the same steps without a GPU (toy models, the CPU device, Numba's simulator).
+#
+# The limits, from the run at af730b3 (H200): the 7B shape's load took 35.6 s, its 4096-token
+# prefill 13.9 s a run, its decode 129 tok/s at 512 (transformers' 35); the 183 CUDA tests ended
+# within 140 s. gpu, both models in one process (each figure on gpu.err as measured), ~260 s, a
+# model ~130: its files written (7B 3.9 GB, 8B 5.7 GB: 55 s on one core, ~10 s on 16 threads),
+# loaded (~36-40 s), warmed up (the CUDA kernels compiled, ~20 s), 3 runs at 512 (~1.5 s each) and
+# 2 at 4096 (~16 s each: a third would cost both models 30 s; each run's figures are kept), then
+# transformers (~35 s: its init, 3 + 2 runs of ~4 s). check-llama2-7b, ~65 s: the CPU kernels
+# compiled (~30 s, a first on the machine), 4 layers on both devices, 64 greedy tokens, profiles
+# after the prompt and after 512 and 4096 tokens (4-layer prefills of ~2 s). tests keep their
+# 140 s whatever ran over before them; the other models' checks (8 tokens, the same profiles,
+# ~40 s) come last, in what is left. ~520 s in all; a step with no time left is skipped.
+LIMIT_MACHINE=30 LIMIT_GPU=300 LIMIT_CHECK=120 LIMIT_CHECK_MORE=90
+LIMIT_TESTS=${FIRST_TESTS_LIMIT:-140}     # (another test list may need another)
+SUMMARY_S=5                     # kept for the summary at the end
 first() {
-    local dir="" model="" smoke="" a
+    local dir="" models="" smoke="" a
     for a in "$@"; do
         case "$a" in
             --smoke) smoke=1 ;;
             -*) usage ;;
             *) if [[ -z "$dir" ]]; then dir=$a
-               elif [[ -z "$model" ]]; then model=$a
+               elif [[ -z "$models" ]]; then models=$a
                else usage; fi ;;
         esac
     done
     [[ -n "$dir" ]] || usage
+    models=${models:-llama2-7b,llama3-8b}
+    [[ "$models" =~ ^[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*$ ]] || die "bad model list: $models"
     mkdir -p -- "$dir" 2>/dev/null && dir=$(cd -- "$dir" && pwd -P) || die "no folder $dir"
-    local -a tests
+    local -a tests names
     local t ours="tests/test_gemv_gpu.py tests/test_kernels_gpu.py tests/test_device_decode.py"
     for t in ${GPU_TESTS:-$ours}; do tests+=("$ROOT/$t"); done
-    local deadline=$((SECONDS + ${FIRST_BUDGET:-570})) failed=0
-    installed
-    local py="$VENV/bin/python" b="$ROOT/benchmarks"
-    local -a gpu=(--json) check=(--json)
-    if [[ -n "$smoke" ]]; then gpu+=(--device cpu --smoke); check+=(--smoke); fi
-    step 270 gpu "$py" "$b/gpu.py" --models "${model:-llama2-7b}" "${gpu[@]}"
-    step 150 check "$py" "$b/gpu_check.py" --model "${model:-llama2-7b}" "${check[@]}"
-    step 140 tests "$py" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "${tests[@]}"
+    IFS=, read -ra names <<<"$models"
+    local budget=${FIRST_BUDGET:-570} failed=0 ready="" py="$VENV/bin/python" b="$ROOT/benchmarks"
+    local deadline=$((SECONDS + budget)) keep=$((LIMIT_TESTS + SUMMARY_S)) ms rc
+    # (an earlier run's outputs there are not this one's)
+    rm -f -- "$dir"/{steps.tsv,summary.json,tests.xml,install.err} \
+        "$dir"/{machine,gpu,tests}.{out,err} "$dir"/check-*.{out,err}
+    # the install, its time counted as a step's (installed's failures exit its subshell only)
+    ms=$(now_ms)
+    set +e
+    (set -e; trap cleanup EXIT; installed) 2>"$dir/install.err"
+    rc=$?
+    set -e
+    cat "$dir/install.err" >&2
+    if [[ $rc -eq 0 ]]; then
+        ready=1
+        record install ok 0 "$ms" ""
+    else
+        failed=1
+        record install failed "$rc" "$ms" "" "$(tail -n1 "$dir/install.err")"
+    fi
+    # (the checks after the first with few tokens: their profiles are the point)
+    local -a gpu=(--json --runs 3,2) check=(--json --profile-contexts 512,4096) few=(--tokens 8)
+    [[ -z "$smoke" ]] || gpu=(--json --device cpu --smoke) check=(--json --smoke)
+    step "$LIMIT_MACHINE" "$keep" machine "$py" "$b/gpu_summary.py" --machine
+    step "$LIMIT_GPU" "$keep" gpu "$py" "$b/gpu.py" --models "$models" "${gpu[@]}"
+    step "$LIMIT_CHECK" "$keep" "check-${names[0]}" \
+        "$py" "$b/gpu_check.py" --model "${names[0]}" "${check[@]}"
+    step "$LIMIT_TESTS" "$SUMMARY_S" tests "$py" -m pytest -v -p no:cacheprovider \
+        --junitxml=tests.xml -o junit_family=xunit1 --rootdir "$ROOT" "${tests[@]}"
+    for a in "${names[@]:1}"; do
+        step "$LIMIT_CHECK_MORE" "$SUMMARY_S" "check-$a" \
+            "$py" "$b/gpu_check.py" --model "$a" "${check[@]}" "${few[@]}"
+    done
+    # the summary: with the machine's Python (the standard library only), even with no venv
+    local spy=$PY
+    command -v "$spy" >/dev/null || spy=python3
+    "$spy" "$b/gpu_summary.py" "$dir" --root "$ROOT" --offline "$OFF" --budget "$budget" \
+        --models "$models" \
+        --sources-sha256 "$(sources_hash "$spy" 2>/dev/null)" ${smoke:+--smoke} ||
+        { say "summary: failed"; failed=1; }
+    [[ -f "$dir/summary.json" ]] && say "summary: $dir/summary.json"
     return "$failed"
 }
 
-# step LIMIT NAME CMD...: CMD run from $dir within LIMIT seconds (less where $deadline is nearer),
-# its output in $dir/NAME.out and .err; a failure sets $failed (first's)
+# Milliseconds since the epoch (bash 5's EPOCHREALTIME; whole seconds before it).
+now_ms() {
+    local t=${EPOCHREALTIME:-}
+    if [[ -n "$t" ]]; then
+        t=${t/[.,]/}
+        echo $((10#$t / 1000))
+    else
+        echo $(($(date +%s) * 1000))
+    fi
+}
+
+# record NAME STATUS RC START_MS LIMIT [WHY]: a line of $dir/steps.tsv (for the summary)
+record() {
+    local ms=$(( $(now_ms) - $4 )) why=${6:-}
+    printf '%s\t%s\t%s\t%d.%03d\t%s\t%s\n' "$1" "$2" "$3" $((ms / 1000)) $((ms % 1000)) "$5" \
+        "${why//[$'\t\n']/ }" >>"$dir/steps.tsv"
+}
+
+# step LIMIT KEEP NAME CMD...: CMD run from $dir within LIMIT seconds, less where $deadline less
+# KEEP seconds (kept for the steps after it) is nearer, its output in $dir/NAME.out and .err; a
+# failure sets $failed (first's). Without $ready (the install failed) it is skipped.
 step() {
-    local limit=$1 name=$2 start=$SECONDS rc=0
-    shift 2
-    (( limit > deadline - SECONDS - 5 )) && limit=$((deadline - SECONDS - 5))
-    if (( limit < 1 )); then
-        say "$name: skipped: no time left"
+    local limit=$1 keep=$2 name=$3 start=$SECONDS ms rc=0
+    shift 3
+    ms=$(now_ms)
+    (( limit > deadline - keep - SECONDS - 5 )) && limit=$((deadline - keep - SECONDS - 5))
+    if [[ -z "$ready" ]] || (( limit < 1 )); then
+        local why="no time left"
+        [[ -n "$ready" ]] || why="the install failed"
+        say "$name: skipped: $why"
+        record "$name" skipped "" "$ms" "" "$why"
         failed=1
         return
     fi
@@ -215,16 +296,19 @@ step() {
     local took=$((SECONDS - start))
     if [[ $rc -eq 0 ]]; then
         say "$name: done in $took s"
+        record "$name" ok 0 "$ms" "$limit"
         return
     fi
     failed=1
     if [[ ($rc -eq 124 || $rc -eq 137) && $took -ge $limit ]]; then
         say "$name: stopped at its limit of $limit s"
+        record "$name" timeout "$rc" "$ms" "$limit" "stopped at its limit"
     else
         local why
         why=$(tail -n1 "$dir/$name.err")
         [[ -n "$why" ]] || why=$(tail -n1 "$dir/$name.out")
         say "$name: failed (exit status $rc) in $took s: $why"
+        record "$name" failed "$rc" "$ms" "$limit" "$why"
     fi
 }
 

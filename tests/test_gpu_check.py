@@ -3,6 +3,7 @@ the margins there say whether it was a near tie (the order of float sums) or a f
 different random models on the CPU device stand for a faulty GPU path."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,37 @@ def test_random_codes_are_centred_on_the_zero_point(check):
     a, b = codes(before), codes(after)
     assert (b == np.where(a == 0, 8, a)).all() and (a == 0).sum() > 1000
     assert abs(b.mean() - 8) < 0.05
+
+
+def test_model_files_are_the_same_whichever_threads_write_them(check, tmp_path):
+    """gpu.py's model writer makes each chunk from a seed of its own, on several threads, and
+    writes them in order: the same bytes on 1 thread or 3, whatever order chunks finish in (a
+    shared generator would hand out its numbers in the threads' order), and a model's first
+    layers are those of a deeper one (gpu_check's 4-layer copies are the full model's, the
+    output projections' scales but for their depth's factor)."""
+    import numpy as np
+
+    gpu = check.gpu
+    shape = dict(check.SMOKE_SHAPE, vocab_size=9000)         # (the embedding in 3 chunks)
+    files = []
+    for threads in (1, 3):
+        files.append(tmp_path / f"{threads}.safetensors")
+        gpu.write_safetensors(files[-1], gpu.model_tensors(shape), threads=threads)
+    assert files[0].read_bytes() == files[1].read_bytes()
+    # chunks made in reverse order still land in order
+    tensors = gpu.model_tensors(shape)
+    slow = [(n, d, s, [lambda make=make, k=k: (time.sleep(0.02 * (9 - k)), make())[1]
+                       for k, make in enumerate(chunks)]) for n, d, s, chunks in tensors]
+    gpu.write_safetensors(tmp_path / "slow.safetensors", slow, threads=4)
+    assert (tmp_path / "slow.safetensors").read_bytes() == files[0].read_bytes()
+
+    def arrays(layers):
+        return {name: np.concatenate([np.asarray(make()).ravel() for make in chunks])
+                for name, _, _, chunks in gpu.model_tensors(dict(shape, num_hidden_layers=layers))}
+
+    one, two = arrays(1), arrays(2)
+    assert set(one) < set(two)
+    # (the output projections' scales follow the depth: std / sqrt(2 L))
+    same = [n for n in one if "o_proj.scales" not in n and "down_proj.scales" not in n]
+    assert all(np.array_equal(one[n], two[n]) for n in same)
+    assert len(set(one["model.embed_tokens.weight"][:4096].tolist())) > 1000
