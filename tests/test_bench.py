@@ -71,7 +71,8 @@ def test_bad_sizes_are_refused_before_loading(tmp_path, args, flag):
 
 def test_bench_decodes_greedily_without_a_penalty_whatever_the_model_asks(tmp_path):
     """Its runs time the plain decode step, the same tokens each run, though the model's
-    generation_config.json asks for sampling with a repeat penalty."""
+    generation_config.json asks for sampling with a repeat penalty; its warm-up is a short
+    reply of the same settings (on a GPU the runs then replay the step it captured)."""
     import json
 
     d = write_tiny_model(tmp_path / "m", tiny_config())
@@ -87,12 +88,15 @@ def test_bench_decodes_greedily_without_a_penalty_whatever_the_model_asks(tmp_pa
         return g
 
     llm.generation = recorded
-    bench.run(llm, prompt_tokens=8, decode_tokens=6, runs=3)
+    r = bench.run(llm, prompt_tokens=8, decode_tokens=6, runs=3)
     params = {g.sampler.params for g in runs}
-    assert len(runs) == 3 and len(params) == 1
+    assert len(runs) == 4 and len(params) == 1
     p = params.pop()
     assert p.temperature == 0 and p.repeat_penalty == 1.0
-    assert len({tuple(g.tokens) for g in runs}) == 1
+    warm, timed = runs[0], runs[1:]
+    assert len(warm.tokens) == bench.WARM_TOKENS < len(timed[0].tokens) == 7
+    assert len({tuple(g.tokens) for g in timed}) == 1
+    assert r["first_reply_extra_s"] >= 0
 
 
 def test_bench_run_refuses_what_it_cannot_measure(tmp_path):

@@ -17,7 +17,7 @@ import numpy as np
 from tinyrt.errors import ModelFormatError, TinyrtError, shown
 
 from .chat_template import template_from_config
-from .generate import Generation, Response
+from .generate import DecoderHolder, Generation, Response
 from .kernels import get_backend, on_first_compile
 from .kv_cache import make_cache
 from .kv_options import CacheOptions
@@ -220,6 +220,9 @@ class LLM:
             warm_up(self.model, make_cache(small, self.model), past=True)
         self._held: array | None = array("i")   # the token ids the cache holds (None: unknown)
         self._current: Generation | None = None  # the last `complete`'s reply
+        # a GPU's decode step, captured in a reply, replayed in the next ones (its cache and
+        # sampler settings alike)
+        self._decoders = DecoderHolder()
         self.drafter = None if draft is None else make_drafter(
             str(draft), self.model, self.tokenizer, self.cache,
             lambda model: make_cache(cache, model), load_model, load_tokenizer)
@@ -346,7 +349,7 @@ class LLM:
         args = (self.model, self.cache, self.tokenizer, ids, sampler)
         kwargs = dict(max_tokens=opts["max_tokens"] or DEFAULT_MAX_TOKENS,
                       eos_ids=() if opts["ignore_eos"] else self.eos_ids,
-                      stop=opts["stop"] or (), load_s=self.load_s)
+                      stop=opts["stop"] or (), load_s=self.load_s, decoders=self._decoders)
         if self.drafter is None:
             return Generation(*args, **kwargs)
         return SpeculativeGeneration(*args, drafter=self.drafter, max_gamma=self.draft_tokens,

@@ -1,8 +1,9 @@
 """`tinyrt bench`: what a model costs on this machine. Load time; TTFT and prefill speed of a
 prompt of `prompt_tokens` tokens (WikiText-like text is not shipped, so the prompt is the Python
 documentation that calibrates AWQ); decode speed over `decode_tokens` greedy tokens (median of
-`runs` runs, EOS ignored); peak RSS; the bytes a decoded token reads (weights, and the KV cache
-at its mean length over the decoded tokens) and the GB/s that makes."""
+`runs` runs, EOS ignored, after a warm-up reply: a later reply's speed, and apart from it what
+the first reply took more, a GPU's graph capture); peak RSS; the bytes a decoded token reads
+(weights, and the KV cache at its mean length over the decoded tokens) and the GB/s that makes."""
 
 from __future__ import annotations
 
@@ -64,16 +65,26 @@ def greedy_reply(llm, ids, max_tokens: int):
     return g
 
 
-def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int, progress=None):
+WARM_TOKENS = 3      # the warm-up reply's: its first step (a GPU's capture) and a replay
+
+
+def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int, progress=None,
+               first: dict | None = None):
     """Seconds to the first token of prompt `ids` from an empty cache, and seconds per greedy
-    decoded token after it, for each of `runs` runs (after a warm-up call), through the
+    decoded token after it, for each of `runs` runs (after a warm-up reply), through the
     generation loop as a reply runs (on a GPU: its decode steps on the device; with a draft:
     speculative decoding). Also the drafts' figures of the median run (None without a draft).
-    `progress(what, done, total)` hears of each phase and run as it starts (see `run`)."""
+    `progress(what, done, total)` hears of each phase and run as it starts (see `run`).
+
+    The warm-up is a short greedy reply (ids[:8], a few steps): it makes the kernels' first
+    calls and, on a GPU, captures the decode step's CUDA graph, which the runs then replay as a
+    chat's later replies do. `first`, where given, receives under "first_reply_extra_s" the
+    seconds that reply's decode took beyond its steps at the runs' median rate (the first
+    reply's own cost: on a GPU its eager first step and the capture; 0 if already captured)."""
     say = progress or (lambda what, done, total: None)
     say("warm-up", 0, None)
     llm.reset()
-    llm.model.forward(ids[:8], llm.cache)                  # warm-up: the kernels' first calls
+    warm = greedy_reply(llm, ids[:8], WARM_TOKENS).timings
     results = []
     what = f"{runs} run{'s' * (runs != 1)}, prompt {len(ids)} + decode {decode_tokens} tokens"
     for k in range(runs):
@@ -84,6 +95,9 @@ def timed_runs(llm, ids: np.ndarray, decode_tokens: int, runs: int, progress=Non
         results.append((t.decode_s / max(t.decode_steps, 1), t.ttft_s, spec))
     say(what, runs, runs)
     results.sort(key=lambda r: r[0])
+    if first is not None:
+        step = results[len(results) // 2][0]
+        first["first_reply_extra_s"] = max(0.0, warm.decode_s - warm.decode_steps * step)
     return [r[1] for r in results], [r[0] for r in results], results[len(results) // 2][2]
 
 
@@ -104,7 +118,8 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5,
     if prompt_tokens + decode_tokens > cache.capacity:
         raise ValueError(f"prompt + decode = {prompt_tokens + decode_tokens} tokens exceed the "
                          f"KV cache of {cache.capacity}")
-    ttft, decode, spec = timed_runs(llm, ids, decode_tokens, runs, progress)
+    first: dict = {}
+    ttft, decode, spec = timed_runs(llm, ids, decode_tokens, runs, progress, first)
     step = max(statistics.median(decode), 1e-9)     # (a clock too coarse to see a step)
     per_token = weight_bytes(model)
     kv_per_token = cache.bytes_per_token * (prompt_tokens + decode_tokens / 2)
@@ -119,5 +134,7 @@ def run(llm, prompt_tokens: int = 512, decode_tokens: int = 128, runs: int = 5,
         "weight_mb_per_token": per_token / 1e6, "kv_mb_per_token": kv_per_token / 1e6,
         "kv_cache": llm.cache_options.describe(llm.config, cache.capacity),
         "decode_gb_s": (per_token + kv_per_token) / step / 1e9,
+        # (the decode figures are a later reply's: the first pays this once, beside them)
+        "first_reply_extra_s": first["first_reply_extra_s"],
         **({} if spec is None else {"speculative": spec}),
     }

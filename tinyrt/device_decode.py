@@ -12,6 +12,11 @@ slot tables, h2o scores, the sinks' rotation and copies); `finish` writes it bac
 object, so that everything after (a next prompt, a rollback, `LLM.complete`'s prefix reuse) sees
 the cache as the host steps would have left it.
 
+A decoder outlives its reply: `restart` readies it for the next one over the same model, cache
+object and sampler settings (`serves`), writing the cache's bookkeeping into the same device
+tensors, so that the graph captured in the first reply replays in every later one (an `LLM`
+keeps its last decoder: generate.DecoderHolder).
+
 What runs here: the CUDA backend, a float16 or float32 cache (dense, sink, h2o, no rollback
 slack), every sampler setting. A quantized (KIVI) cache or a draft model steps on the host.
 `--no-cuda-graph` runs the same step eagerly (for debugging, and in Numba's CUDA simulator,
@@ -20,6 +25,7 @@ which cannot capture graphs).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -44,6 +50,17 @@ def usable(model, cache) -> bool:
             and model.layer_freqs_long is None)
 
 
+def _scratch(be) -> tuple:
+    """The storage of every tensor the backend keeps (scratch that a step reads, such as the
+    split-K GEMVs' sums): a graph holds the addresses it was captured with, so a backend that
+    has since put one in a new tensor (grown for a larger launch) needs a new capture."""
+    t, out = be.torch, []
+    for v in vars(be).values():
+        out += [x.data_ptr() for x in (v if isinstance(v, tuple) else (v,))
+                if isinstance(x, t.Tensor)]
+    return tuple(out)
+
+
 class DeviceSampler:
     """Sampler.__call__ on the device: the same penalties (over a ring of the last ids and their
     counts, kept on the device), greedy argmax, temperature, top-k, top-p and min-p, a draw from
@@ -60,17 +77,27 @@ class DeviceSampler:
         self.uniform = t.empty(UNIFORMS, device=dev)
         self.drawn = t.zeros(1, dtype=t.int64, device=dev)     # uniforms used
         self.vocab = vocab
+        if self.n:     # the penalties' ring of the last ids, their counts [V + 1] (the last
+                       # bucket counts the ring's empty places) and the ring's next place
+            self.ring = t.empty(self.n, dtype=t.int64, device=dev)
+            self.counts = t.empty(vocab + 1, device=dev)
+            self.at = t.empty(1, dtype=t.int64, device=dev)
 
-    def start(self, history) -> None:
-        """The ids so far (the last `repeat_last_n` count for the penalties)."""
+    def start(self, history, seed: int | None = None) -> None:
+        """The ids so far (the last `repeat_last_n` count for the penalties), written into the
+        sampler's own tensors (a captured graph reads them where they are); `seed` re-seeds the
+        draws (a reused decoder's next reply)."""
         t = self.torch
+        if seed is not None:
+            self.gen.manual_seed(seed)
+        self.drawn.zero_()
         if self.n:
-            # counts [V + 1]: the last bucket counts the ring's empty places
-            self.ring = t.full((self.n,), self.vocab, dtype=t.int64, device=self.device)
             recent = np.asarray(list(history)[-self.n:], np.int64)
-            self.ring[:len(recent)] = t.as_tensor(recent, device=self.device)
-            self.counts = t.bincount(self.ring, minlength=self.vocab + 1).to(t.float32)
-            self.at = t.tensor([len(recent) % self.n], dtype=t.int64, device=self.device)
+            ring = np.full(self.n, self.vocab, np.int64)
+            ring[:len(recent)] = recent
+            self.ring.copy_(t.as_tensor(ring))
+            self.counts.copy_(t.as_tensor(np.bincount(ring, minlength=self.vocab + 1)))
+            self.at.fill_(len(recent) % self.n)
 
     def refill(self) -> None:
         """A new block of uniform numbers (outside the graph, every UNIFORMS steps)."""
@@ -127,7 +154,13 @@ class DeviceDecoder:
     """Decode steps of `model` over `cache` on the device (see the module). `step(token)` feeds
     the token just drawn (only the first step's crosses to the device) and returns the next;
     `finish()` hands the cache's bookkeeping back to the host. `history` is the host's list of
-    the ids so far, read at the first step (the penalties' window)."""
+    the ids so far, read at the first step (the penalties' window).
+
+    A decoder serves later replies too (`restart`), where `serves` says that its captured step
+    holds for them: the first step runs eagerly and then captures the graph, hundreds of
+    launches from Python twice over, which a chat would otherwise pay on every reply. So every
+    tensor a step reads or writes is allocated here once, and a restart copies the cache's
+    state into those same tensors: a graph replays the addresses it recorded."""
 
     def __init__(self, model, cache, sampler: Sampler, history, *, graph: bool = True):
         be = self.be = model.backend
@@ -142,39 +175,76 @@ class DeviceDecoder:
         self.n_sink = cache.n_sink
         self.size = getattr(cache, "size", C)
         self.ring = getattr(cache, "ring", C)
-        state = np.zeros(gs.N_STATE, np.int64)
-        state[[gs.NEXT, gs.LENGTH]] = cache.next_pos, cache.length
-        state[gs.SHIFT] = state[gs.ROTATED] = getattr(cache, "rotated_shift", 0)
-        state[gs.COPIES] = getattr(cache, "sink_keys", None) is not None
-        state[gs.SPAN] = cache.span
-        self.state = be.dev(state, np.int64)
+        self.bakes = self._bakes(model, cache, sampler, graph)
+        self.state = be.zeros(gs.N_STATE, np.int64)
         self.pos = self.state[gs.POS:gs.POS + 1]                   # the query's position [1]
         self.span = self.state[gs.SPAN:gs.SPAN + 1]      # the slots attention reads: [0, span)
         if self.policy == gs.H2O:
-            self.table = be.dev(cache.slot_pos.reshape(L * G, C), np.int64)
-            self.score = be.dev(cache.score.reshape(L * G, C))
+            self.table = be.zeros((L * G, C), np.int64)
+            self.score = be.zeros((L * G, C))
             self.slots = be.zeros((L * G, 1), np.int64)
             rows = [slice(i * G, (i + 1) * G) for i in range(L)]
             self.views = [(self.slots[r], self.table[r], self.score[r]) for r in rows]
         else:
-            self.table = be.dev(cache.slot_pos[None], np.int64)
+            self.table = be.zeros((1, C), np.int64)
             self.slots = be.zeros((G, 1), np.int64)
             self.views = [(self.slots, self.table, None)] * L
         self.inv_freq = t.as_tensor(np.asarray(model.layer_freqs[0]), device=dev)
         self.cos, self.sin = be.zeros((1, D // 2)), be.zeros((1, D // 2))
         self.attends = [self._attend(i) for i in range(L)]
         if self.n_sink and self.policy != gs.DENSE:
-            shape = (self.n_sink, L * G, D)
-            have = cache.sink_keys is not None
-            self.sink_k = cache.sink_keys.contiguous() if have else be.zeros(shape)
-            self.sink_v = cache.sink_values.contiguous() if have else be.zeros(shape)
+            self.sink_k = be.zeros((self.n_sink, L * G, D))
+            self.sink_v = be.zeros((self.n_sink, L * G, D))
         self.tok = be.zeros(1, np.int64)
-        self.history = history
-        self.sampler = DeviceSampler(be, sampler, cfg.vocab_size, int(sampler.rng.integers(2 ** 62)))
-        self.steps = 0
+        self.sampler = DeviceSampler(be, sampler, cfg.vocab_size, 0)
         self.use_graph = graph and not SIM
         self.graph = None
         self.host_tok = t.zeros(1, dtype=t.int64, pin_memory=dev != "cpu")
+        self.busy = False
+        self.scratch = None       # the backend's tensors as the first step found them
+        self.restart(sampler, history)
+
+    @staticmethod
+    def _bakes(model, cache, sampler: Sampler, graph: bool) -> tuple:
+        """What a captured step holds as it was when it was recorded, beside the model and the
+        cache object: the cache's buffers and sizes, and the sampler's settings (its branches
+        and constants; the seed only seeds the draws, outside the graph)."""
+        return (type(cache), cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity,
+                cache.n_sink, getattr(cache, "size", None), getattr(cache, "ring", None),
+                getattr(cache, "recent", None), dataclasses.replace(sampler.params, seed=None),
+                graph)
+
+    def serves(self, model, cache, sampler: Sampler, graph: bool) -> bool:
+        """Whether this decoder's steps are a reply's over `model` and `cache` with `sampler`
+        (and the graph it captured holds for them), so that `restart` may run them."""
+        return not self.busy and model is self.model and cache is self.cache \
+            and self._bakes(model, cache, sampler, graph) == self.bakes \
+            and self.scratch in (None, _scratch(self.be))
+
+    def restart(self, sampler: Sampler, history) -> None:
+        """Start a reply: the cache's bookkeeping as the host holds it now (after the prompt)
+        copied into the step's tensors in place, the sampler's seed drawn from `sampler` (as a
+        new decoder draws it) and its penalties' window from `history` at the first step."""
+        be, t, c = self.be, self.t, self.cache
+        state = np.zeros(gs.N_STATE, np.int64)
+        state[[gs.NEXT, gs.LENGTH]] = c.next_pos, c.length
+        state[gs.SHIFT] = state[gs.ROTATED] = getattr(c, "rotated_shift", 0)
+        state[gs.COPIES] = getattr(c, "sink_keys", None) is not None
+        state[gs.SPAN] = c.span
+        self.state.copy_(t.as_tensor(state))
+        self.table.copy_(t.as_tensor(c.slot_pos.reshape(self.table.shape)))
+        if self.policy == gs.H2O:
+            self.score.copy_(t.as_tensor(c.score.reshape(self.score.shape)))
+        if self.n_sink and self.policy != gs.DENSE and c.sink_keys is not None:
+            # (the copies the host took, or the ones this decoder handed the cache last time)
+            for mine, host in ((self.sink_k, c.sink_keys), (self.sink_v, c.sink_values)):
+                if host is not mine:
+                    mine.copy_(be.dev(host))
+        self.history = history
+        self.seed = int(sampler.rng.integers(2 ** 62))
+        self.sampler.p = sampler.params
+        self.steps = 0
+        self.busy = True
 
     def fits(self) -> bool:
         """Whether one more token fits (a dense cache stops when full)."""
@@ -182,17 +252,19 @@ class DeviceDecoder:
 
     def _attend(self, i: int):
         """Layer i's attention for decode_layers: its q|k|v output made ready and stored, then
-        attention over the slots in use (the span read from the device: a graph replays it)."""
+        attention over the slots in use (the span read from the device: a graph replays it).
+        (It holds the tensors, not the decoder: no reference cycle keeps a dropped decoder's
+        graph and its memory until a garbage collection.)"""
         be, cache, m = self.be, self.cache, self.model
         cfg = m.config
         slots, table, score = self.views[i]
         k_buf, v_buf, window = cache.k[i], cache.v[i], cfg.window(i)
+        cos, sin, pos, span = self.cos, self.sin, self.pos, self.span
 
         def attend(qkv, L):
-            q = be.rope_store(qkv, L.qkv_bias, L.q_norm, L.k_norm, cfg.rms_norm_eps, self.cos,
-                              self.sin, k_buf, v_buf, slots, cfg.num_attention_heads)
-            return be.attention(q, k_buf, v_buf, self.pos, table, m.scale, window, score,
-                                self.span)
+            q = be.rope_store(qkv, L.qkv_bias, L.q_norm, L.k_norm, cfg.rms_norm_eps, cos, sin,
+                              k_buf, v_buf, slots, cfg.num_attention_heads)
+            return be.attention(q, k_buf, v_buf, pos, table, m.scale, window, score, span)
         return attend
 
     def _step(self) -> None:
@@ -216,7 +288,7 @@ class DeviceDecoder:
         t = self.t
         if self.steps == 0:
             self.tok.fill_(token)
-            self.sampler.start(self.history)
+            self.sampler.start(self.history, self.seed)
         if self.steps % UNIFORMS == 0:
             self.sampler.refill()
         if not self.use_graph:
@@ -225,6 +297,8 @@ class DeviceDecoder:
             self._warm_and_capture()
         else:
             self.graph.replay()
+        if self.scratch is None:         # (the addresses a graph captured in this step holds)
+            self.scratch = _scratch(self.be)
         self.steps += 1
         if self.be.device == "cpu":
             return int(self.tok[0])
@@ -271,7 +345,9 @@ class DeviceDecoder:
         return graph
 
     def finish(self) -> None:
-        """Write the cache's bookkeeping back into the cache object (after the last step)."""
+        """Write the cache's bookkeeping back into the cache object (after the last step); the
+        decoder may then `restart` for another reply."""
+        self.busy = False
         if self.steps == 0:
             return
         c = self.cache

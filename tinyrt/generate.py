@@ -100,13 +100,51 @@ def check_fits(cache, n_prompt: int, context: int) -> None:
             "--kv-size")
 
 
+class DecoderHolder:
+    """Where an owner of replies (an `LLM`) keeps the device decoder (tinyrt.device_decode) of
+    its last reply for the next: a new decoder's first step runs eagerly and then captures the
+    step's CUDA graph, hundreds of launches from Python twice over (a quarter second a reply at
+    Llama-2-7B's size), which a decoder restarted in place skips. At most one is kept: one that
+    does not serve the next reply (another cache, other sampler settings) is dropped first, so
+    that its graph's memory is freed before a new one is made."""
+
+    def __init__(self):
+        self.decoder = None
+
+    def decoder_for(self, model, cache, sampler: Sampler, history, graph: bool):
+        """A decoder for a reply's steps: the kept one restarted where it serves them, else a
+        new one, kept (unless the kept one is still stepping another reply: it stays)."""
+        from . import device_decode      # (it imports the CUDA kernels)
+
+        kept = self.decoder
+        if kept is not None and kept.serves(model, cache, sampler, graph):
+            kept.restart(sampler, history)
+            return kept
+
+        def made():
+            return device_decode.DeviceDecoder(model, cache, sampler, history, graph=graph)
+
+        if kept is not None and kept.busy:     # (another reply steps on it still: it stays)
+            return made()
+        self.decoder = kept = None             # (freed before the new one allocates)
+        self.decoder = made()
+        return self.decoder
+
+    def drop(self) -> None:
+        """Forget the kept decoder (a reply that steps on the host), unless it is stepping."""
+        if self.decoder is not None and not self.decoder.busy:
+            self.decoder = None
+
+
 class Generation:
-    """One reply: iterate to get `Response`s. The cache must already hold any earlier context."""
+    """One reply: iterate to get `Response`s. The cache must already hold any earlier context.
+    `decoders`, where given, keeps a GPU's decoder from one reply to the next (DecoderHolder)."""
 
     def __init__(self, model, cache, tokenizer: Tokenizer, prompt: Sequence[int], sampler: Sampler,
                  *, max_tokens: int, eos_ids: Iterable[int], stop: Iterable[str] = (),
-                 load_s: float = 0.0):
+                 load_s: float = 0.0, decoders: DecoderHolder | None = None):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.decoders = decoders
         self.prompt = list(prompt)
         self.sampler = sampler
         self.max_tokens = max_tokens
@@ -159,9 +197,14 @@ class Generation:
         from . import device_decode      # (it imports the CUDA kernels)
 
         if not device_decode.usable(self.model, self.cache):
+            if self.decoders is not None:
+                self.decoders.drop()
             return None
-        return device_decode.DeviceDecoder(self.model, self.cache, self.sampler, history,
-                                           graph=be.cuda_graph)
+        if self.decoders is None:
+            return device_decode.DeviceDecoder(self.model, self.cache, self.sampler, history,
+                                               graph=be.cuda_graph)
+        return self.decoders.decoder_for(self.model, self.cache, self.sampler, history,
+                                         be.cuda_graph)
 
     def __iter__(self) -> Iterator[Response]:
         detok = Detokenizer(self.tokenizer)

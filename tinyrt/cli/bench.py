@@ -93,6 +93,9 @@ def main(args: argparse.Namespace) -> int:
           f"  read/token     {r['weight_mb_per_token']:8.1f} MB weights + "
           f"{r['kv_mb_per_token']:.1f} MB KV cache -> {r['decode_gb_s']:.1f} GB/s\n"
           f"  KV cache       {r['kv_cache']}")
+    if r["device"] == "cuda":
+        print(f"  first reply    {r['first_reply_extra_s'] * 1e3:8.0f} ms   more decode (the "
+              "step's eager run and graph capture, once)")
     s = r.get("speculative")
     if s:
         print(f"  draft          {s['drafter']}: {s['accept_rate']:.0%} of drafts accepted, "
