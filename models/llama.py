@@ -318,24 +318,29 @@ class LlamaModel:
         return [made[id(f)] for f in freqs]
 
     def decode_layers(self, x, attends: list):
-        """An embedded token x [1, H] through every layer and the final norm -> [1, H]: the
-        step tinyrt.device_decode runs on the CUDA backend, its cache bookkeeping its own.
-        `layer`'s math in fewer launches: each residual add fused with the norm after it
-        (add_rmsnorm: x updated in place, the MLP's output added in the next layer's first
-        norm), and attends[i](qkv, L) layer i's attention from its q|k|v projection's output,
-        bias, q/k norms, RoPE and the store into the cache included (rope_store)."""
+        """An embedded token x [1, H] through every layer, the final norm and the head ->
+        logits [1, V]: the step tinyrt.device_decode runs on the CUDA backend, its cache
+        bookkeeping its own. `layer`'s math in fewer launches: each RMSNorm in the projection
+        after it (norm_linear), each residual add in the projection before it (linear_add),
+        the gated MLP's activation in its gate|up projection, and attends[i](qkv, L) layer i's
+        attention from its q|k|v projection's output, bias, q/k norms, RoPE and the store into
+        the cache included (rope_store)."""
         cfg, be, eps = self.config, self.backend, self.config.rms_norm_eps
-        d = None                   # the residual that the last block left to add into x
+        act = "gelu" if cfg.geglu else "silu"
         for L, attend in zip(self.layers, attends):
-            h = be.add_rmsnorm(x, d, L.input_norm, eps)
-            a = be.linear(attend(be.linear(h, L.qkv), L).reshape(1, -1), L.o)
-            if L.attn_out_norm is not None:
-                a = be.rmsnorm(a, L.attn_out_norm, eps)
-            h = be.add_rmsnorm(x, a, L.post_norm, eps)
-            d = self.mlp(be, cfg, L, h)
-            if L.mlp_out_norm is not None:
-                d = be.rmsnorm(d, L.mlp_out_norm, eps)
-        return be.add_rmsnorm(x, d, self.norm, eps)
+            a = attend(be.norm_linear(x, L.input_norm, eps, L.qkv), L).reshape(1, -1)
+            x = self._residual(be, x, a, L.o, L.attn_out_norm, eps)
+            m = be.norm_linear(x, L.post_norm, eps, L.gate_up, act)
+            x = self._residual(be, x, m, L.down, L.mlp_out_norm, eps)
+        with np.errstate(**_QUIET):
+            return be.norm_linear(x, self.norm, eps, self.lm_head)
+
+    @staticmethod
+    def _residual(be, x, h, w, out_norm, eps):
+        """x + h @ W.T in one launch (Gemma's product RMS-normed before the add), a new array."""
+        if out_norm is None:
+            return be.linear_add(h, w, x)
+        return x + be.rmsnorm(be.linear(h, w), out_norm, eps)
 
     def _attend(self, kv, pos, window: int | None) -> Attend:
         """Attention over the cache layer `kv`, the new tokens (at positions `pos`) stored first."""

@@ -9,7 +9,8 @@ from numba import cuda
 
 from helpers import quant_store, random_quant, random_weights, rel_err, seeded_rng, tiny_config
 from tinyrt.kernels import kv_quant, quant
-from tinyrt.kernels.cuda import CudaBackend, backend, gemv, kernels, kv, launchers, primitives
+from tinyrt.kernels.cuda import (CudaBackend, attention, backend, gemv, kernels, kv, launchers,
+                                primitives)
 from tinyrt.kernels.cuda import step as device_step
 from tinyrt.kernels import reference as ref
 
@@ -27,13 +28,13 @@ def run(launch, *arrays):
 
 def unpack_words(codes, bits, n_in, lanes):
     """The codes [out, n_in] of a flat int64 array in gemv.repack's layout, read as its docstring
-    says: rows of gemv.width int64s, input i at bits [bits (i % per), bits (i % per + 1)) of
-    int64 i // per (per = 64 // bits)."""
+    says: rows of gemv.width int64s (the last PAD_ROWS of them padding), input i at bits
+    [bits (i % per), bits (i % per + 1)) of int64 i // per (per = 64 // bits)."""
     per = 64 // bits
     rows = np.asarray(codes).view(np.uint64).reshape(-1, gemv.width(bits, n_in, lanes))
     i = np.arange(n_in)
     q = (rows[:, i // per] >> (bits * (i % per)).astype(np.uint64)) & np.uint64(2 ** bits - 1)
-    return q.astype(np.uint8)
+    return q.astype(np.uint8)[:-gemv.PAD_ROWS], q[-gemv.PAD_ROWS:]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -41,61 +42,55 @@ def unpack_words(codes, bits, n_in, lanes):
                                             (34, 32, 17)])
 def test_repack_round_trip(bits, n_in, lanes, g):
     """gemv.repack's arrays hold every code where its docstring says, in whole tiles (padding:
-    code 0), and each row's scales and offsets, padded with zeros to the tiles' groups."""
+    code 0), and each row's scales and offsets, padded with zeros to the tiles' groups; then
+    PAD_ROWS rows of zeros."""
     w = random_quant(3, n_in, bits, g, True, rng)
     codes, scale, offset = gemv.repack(quant.flat(w, bits), lanes)
     tile = lanes * 64 // bits
-    assert codes.dtype == np.int64 and codes.shape == (3 * -(-n_in // tile) * lanes,)
-    assert np.array_equal(unpack_words(codes, bits, n_in, lanes), quant.unpack(w))
+    assert codes.dtype == np.int64
+    assert codes.shape == ((3 + gemv.PAD_ROWS) * -(-n_in // tile) * lanes,)
+    got, pad = unpack_words(codes, bits, n_in, lanes)
+    assert np.array_equal(got, quant.unpack(w)) and not pad.any()
     padded = -(-n_in // tile) * tile
-    assert not unpack_words(codes, bits, padded, lanes)[:, n_in:].any()
+    assert not unpack_words(codes, bits, padded, lanes)[0][:, n_in:].any()
     s, m = quant.scales(w)
     groups = -(-padded // g)
     for got, want in ((scale, s), (offset, m)):
-        got = got.reshape(3, groups)
-        assert np.array_equal(got[:, :n_in // g], want) and not got[:, n_in // g:].any()
-
-
-def check_q_gemv(w, be, arrays):
-    """launch_q_gemv and launch_q_dequantize of w (a kernels.quant layer) prepared by the backend,
-    its arrays and the launchers' as torch tensors or (arrays="numpy") NumPy arrays, on a fresh
-    x; y and dst start as NaN (every output written)."""
-    out, n_in = w.shape
-    dev = be.prepare_linear([w])
-    assert dev.shape == (out, n_in)
-    x = rng.standard_normal(n_in).astype(np.float32)
-    y, w_t = np.full(out, np.nan, np.float32), np.full((n_in, out), np.nan, np.float32)
-    if arrays == "numpy":
-        dev = dev._replace(codes=be.to_numpy(dev.codes), scale=be.to_numpy(dev.scale),
-                           offset=be.to_numpy(dev.offset))
-        sums = launchers.split_sums(np.zeros, out)
-    else:
-        x, y, w_t = be.dev(x), be.dev(y), be.dev(w_t)
-        sums = be._sums
-    launchers.launch_q_gemv(x, dev, y, sums)
-    assert rel_err(be.to_numpy(y), ref.linear(be.to_numpy(x)[None], quant.dequantize(w))[0]) < 1e-5
-    launchers.launch_q_dequantize(dev, w_t)
-    assert np.allclose(be.to_numpy(w_t), quant.dequantize(w).T, rtol=1e-6, atol=1e-7)
+        got = got.reshape(3 + gemv.PAD_ROWS, groups)
+        assert not got[3:].any()
+        assert np.array_equal(got[:3, :n_in // g], want) and not got[:3, n_in // g:].any()
 
 
 @pytest.mark.parametrize("n_in, n_out, g, bits, half", [
-    (64, 24, 32, 4, True), (128, 26, 64, 4, False), (96, 8, 16, 8, False), (64, 5, 32, 8, True),
+    (64, 24, 32, 4, True), (128, 26, 64, 4, False), (96, 8, 16, 8, False),
     (80, 7, 16, 4, True),     # 2.5 tiles of 32 inputs (4 lanes)
     (36, 3, 6, 8, True),      # groups of 6: neither a multiple nor a divisor of 4 lanes
     (34, 4, 17, 8, False)])   # a last tile with lanes of padding only
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("arrays", ["torch", "numpy"])
-def test_q_gemv_and_dequantize(n_in, n_out, g, bits, half, split, arrays, monkeypatch):
-    monkeypatch.setattr(launchers, "SPLIT_BELOW", 10 ** 9 if split else 0)
-    check_q_gemv(random_quant(n_out, n_in, bits, g, half, rng), CudaBackend(), arrays)
+def test_dequantize(n_in, n_out, g, bits, half):
+    """launch_dequantize (a prompt's weights for its matmul) writes W.T of a prepared layer,
+    every element (dst starts as NaN), none of the padding."""
+    be = CudaBackend()
+    w = random_quant(n_out, n_in, bits, g, half, rng)
+    dev = be.prepare_linear([w])
+    assert dev.shape == (n_out, n_in)
+    w_t = be.dev(np.full((n_in, n_out), np.nan, np.float32))
+    launchers.launch_dequantize(dev, w_t)
+    assert np.allclose(be.to_numpy(w_t), quant.dequantize(w).T, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_gemv(dtype):
+def test_float_layers(dtype):
+    """A float layer (float16 or float32 weights, held as float16: the GEMV's bits 16): one
+    token's product, and a prompt's through the dequantized copy, against the reference's of
+    the float16 values."""
+    be = CudaBackend()
     w = rng.standard_normal((37, 70)).astype(dtype)
-    x = rng.standard_normal(70).astype(np.float32)
-    (y,) = run(launchers.launch_gemv, x, w, np.zeros(37, np.float32))[-1:]
-    assert rel_err(y, ref.linear(x[None], w)[0]) < 1e-5
+    dev = be.prepare_linear([w])
+    assert dev.bits == 16
+    want = w.astype(np.float16).astype(np.float32)
+    for T in (1, 3):
+        x = rng.standard_normal((T, 70)).astype(np.float32)
+        assert rel_err(be.to_numpy(be.linear(be.dev(x), dev)), ref.linear(x, want)) < 1e-5
 
 
 def test_rmsnorm_rope_silu():
@@ -128,14 +123,16 @@ def test_store_kv(dtype):
 
 def attend(q, k, v, q_pos, k_pos, window, score, chunk=None, live=None):
     """launchers.launch_attention on device copies, scratch from cuda.device_array: (out, score);
-    live: the slots of k_pos read (default: all)."""
+    live: the slots of k_pos read (default: all). Its counts of the splits are left zeros (for
+    the next launch: a graph replays them)."""
     out = np.empty(q.shape, np.float32)
     live = np.array([k_pos.shape[1] if live is None else live])
-    got = run(lambda *a: launchers.launch_attention(*a[:6], 0.25, window, *a[6:],
-                                              lambda shape: cuda.device_array(shape, np.float32),
-                                              chunk),
-              q, k, v, q_pos, k_pos, live, score, out)
-    return got[-1], got[-2]
+    counts = np.zeros(launchers.attention_counts(q, k), np.int32)
+    got = run(lambda *a: launchers.launch_attention(
+        *a[:6], 0.25, window, *a[6:8], lambda shape: cuda.device_array(shape, np.float32), a[8],
+        chunk), q, k, v, q_pos, k_pos, live, score, out, counts)
+    assert not got[-1].any()
+    return got[-2], got[-3]
 
 
 def ring(G, S, last, after, rng):
@@ -193,7 +190,7 @@ def test_attention_in_splits_and_batches(monkeypatch):
     got, got_score = attend(q, k, v, q_pos, k_pos, 0, score, chunk)
     assert rel_err(got[seen], want) < 1e-5 and not got[~seen].any()
     assert rel_err(got_score, want_score) < 1e-6
-    assert kernels.attention_chunk(1000, 2, 1) < 1000          # a decode step's default: splits
+    assert launchers.attention_splits(2, 1, 1, 16) > 1   # a decode step's default: splits
 
 
 @pytest.mark.parametrize("cache", ["dense", "sink", "h2o"])
@@ -297,24 +294,16 @@ def test_rope_store(extra, dtype):
 
 @pytest.fixture
 def gpu_shapes(monkeypatch):
-    """The launch shapes a GPU gets: warps of 32 lanes, 8 rows and 128 threads a block (the
-    simulator's own are smaller, for its speed; the kernels are written for both)."""
-    for module in (primitives, kernels, gemv, kv, launchers, backend, device_step):
-        for name, value in (("LANES", 32), ("ROWS", 8), ("THREADS", 128), ("NORM_THREADS", 1024)):
+    """The launch shapes a GPU gets: warps of 32 lanes, four of them a block of the GEMV and of
+    attention, 128 threads a block of the rest (the simulator's own are smaller, for its speed;
+    the kernels are written for both)."""
+    for module in (primitives, kernels, gemv, kv, launchers, backend, device_step, attention):
+        for name, value in (("LANES", 32), ("THREADS", 128), ("NORM_THREADS", 1024),
+                            ("WARPS", 4), ("BLOCK", 128)):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, value)
-
-
-@pytest.mark.parametrize("n_in, g, bits, split", [
-    (576, 32, 4, True), (576, 64, 4, False), (576, 128, 4, True),       # 2.25 tiles of 256 (the
-    (512, 32, 4, False), (512, 64, 4, True), (512, 128, 4, False),      # default model's), 2
-    (528, 16, 8, True)])      # 4 tiles of 128 and 16 inputs: lanes 16-31 padding only
-def test_q_gemv_at_the_gpu_s_launch_shapes(gpu_shapes, monkeypatch, n_in, g, bits, split):
-    """At 32 lanes and 8 rows a block: 20 outputs, 3 row blocks, under the split-K threshold
-    (1024: two splits) or not (a threshold of 2: one)."""
-    monkeypatch.setattr(launchers, "SPLIT_BELOW", 1024 if split else 2)
-    check_q_gemv(random_quant(20, n_in, bits, g, True, rng), CudaBackend(),
-                 "torch" if split else "numpy")
+    if primitives.SIM:          # (made anew at these shapes; a GPU's are these, compiled once)
+        monkeypatch.setattr(attention, "_KERNELS", {})
 
 
 def test_kernels_at_the_gpu_s_launch_shapes(gpu_shapes):
@@ -548,23 +537,30 @@ for kernel, sig in sigs.items():
 
 def test_q_gemv_compiles_for_the_gpu():
     """The GEMVs' hardware branches, which the simulator does not run, compiled to PTX for a
-    Hopper GPU: the lanes' sums by warp shuffles, the barriers of x's staging, split-K's fence
-    before its count of the splits done and its sums read as atomics, and no int-to-float
-    conversion of a code (see gemv._chunk_dot); q_dequantize compiles too. Where no CUDA compiler (NVVM) is installed, nothing to check."""
+    Hopper GPU: the lanes' sums by warp shuffles, the barriers of x's staging, stream-K's fence
+    before its count of the tiles summed and its parts read as atomics, the launch bounds
+    that hold its registers to five blocks an SM (no int-to-float conversion of a code in the
+    hot loop: test_gpu_static's, in SASS); every variant (4-, 8-bit, float16 weights, gated,
+    the slow path: float16 scales, and float32 ones for two) and q_dequantize compile. Where
+    no CUDA compiler (NVVM) is installed, nothing to check."""
     out = _compile_for_the_gpu(r"""
 from tinyrt.kernels.cuda import gemv
-for kernel in (gemv.q4_gemv, gemv.q8_gemv):
-    for f in (t.float16, t.float32):
-        ptx, _ = cuda.compile_ptx(kernel.py_func, (a(t.float32, 1), a(t.int64, 1), a(t.int64, 1),
-                                  a(f, 1), a(f, 1), t.int64, t.int64, t.int64, t.int64,
-                                  a(t.float32, 1), a(t.float32, 2), a(t.int32, 1)), cc=(9, 0))
-        ops = ('shfl.sync', 'bar.sync', 'membar.gl', 'atom.global.add.u32',
-               'atom.global.add.f32', 'cvt.rn.f32.s')
-        print(*(int(op in ptx) for op in ops))
-        cuda.compile_ptx(gemv.q_dequantize.py_func, (a(t.int64, 1), a(f, 1), a(f, 1), t.int64,
-                         t.int64, t.int64, a(t.float32, 2)), cc=(9, 0))
+f32 = a(t.float32, 1)
+variants = [(k, t.float16) for k in gemv.KERNELS.values()]
+variants += [(gemv.KERNELS[4, False, False], t.float32), (gemv.KERNELS[8, True, True], t.float32)]
+for kernel, f in variants:
+    ptx, _ = cuda.compile_ptx(kernel.py_func, (f32, f32, t.float32, f32, a(t.int64, 1),
+                              a(f, 1), a(f, 1), t.int64, t.int64, t.int64, t.int64, f32,
+                              a(t.float32, 2), a(t.int32, 1), a(t.int32, 1), t.int64),
+                              cc=(9, 0), launch_bounds=gemv.BOUNDS)
+    ops = ('shfl.sync', 'bar.sync', 'membar.gl', 'atom.global.add.u32',
+           'atom.global.add.f32', '.maxntid 128', '.minnctapersm 5')
+    print(*(int(op in ptx) for op in ops))
+for f in (t.float16, t.float32):
+    cuda.compile_ptx(gemv.q_dequantize.py_func, (a(t.int64, 1), a(f, 1), a(f, 1), t.int64,
+                     t.int64, t.int64, a(t.float32, 2)), cc=(9, 0))
 """)
-    assert out.split() == ["1", "1", "1", "1", "1", "0"] * 4, out
+    assert out.split() == ["1"] * 7 * (len(gemv.KERNELS) + 2), out
 
 
 @pytest.mark.parametrize("policy, kind, family", [
@@ -707,10 +703,10 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
             return [str(t.dtype), t.ndim, t.layout]
         return str(t)
 
-    def record(kernel, grid, block, *args):
+    def record(kernel, grid, block, *args, **kw):
         fn = kernel.py_func        # (the simulator's FakeCUDAKernel and numba-cuda's dispatcher)
         seen.add(json.dumps([fn.__module__, fn.__name__, [spec(a) for a in args]]))
-        launch(kernel, grid, block, *args)
+        launch(kernel, grid, block, *args, **kw)
 
     monkeypatch.setattr(launchers, "launch", record)
     d = write_tiny_model(tmp_path / "m", tiny_config(hidden_size=32, intermediate_size=64,
@@ -730,9 +726,10 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, monkeypatch, micro):
     for chunk in ([1, 2, 3, 4, 5], [6]):
         model.forward(chunk, cache)
     names = {json.loads(s)[1] for s in seen}
-    assert {"q4_gemv", "q_dequantize", "attention_split", "begin", "take_slot", "take_slot_h2o",
-            "rotate_sinks", "store_kv_q", "attention_decode_q", "add_rmsnorm",
-            "rope_store"} <= names, names
+    assert {"q4_gemv", "q_dequantize", "begin", "take_slot", "take_slot_h2o", "rotate_sinks",
+            "store_kv_q", "attention_decode_q", "add_rmsnorm", "rope_store",
+            "attention_scores"} <= names, names
+    assert any(name.startswith("attention_") and "x" in name for name in names), names
     (tmp_path / "launches.json").write_text(json.dumps(sorted(seen)))
     out = _compile_for_the_gpu(r"""
 import importlib, json, sys
@@ -740,8 +737,11 @@ for line in json.load(open(sys.argv[1])):
     module, name, args = json.loads(line)
     sig = tuple(t.Array(getattr(t, a[0]), a[1], a[2]) if isinstance(a, list) else getattr(t, a)
                 for a in args)
+    mod = importlib.import_module(module)
+    kernel = getattr(mod, name, None) or mod.named(name)    # (attention's: made by name)
     try:
-        cuda.compile_ptx(getattr(importlib.import_module(module), name).py_func, sig, cc=(9, 0))
+        cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0),
+                         launch_bounds=kernel.targetoptions.get("launch_bounds"))
     except Exception as e:
         print(name, str(e).splitlines()[0][:300])
 """, str(tmp_path / "launches.json"))

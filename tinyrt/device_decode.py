@@ -280,8 +280,7 @@ class DeviceDecoder:
             k, v = c._flat()
             gs.launch_rotate_sinks(k, v, self.sink_k, self.sink_v, self.state, self.inv_freq)
         gs.launch_rope_row(self.inv_freq, self.state, self.cos, self.sin)
-        h = m.decode_layers(m.embed_tokens(self.tok), self.attends)
-        self.sampler(m.logits(h), self.tok)
+        self.sampler(m.decode_layers(m.embed_tokens(self.tok), self.attends), self.tok)
 
     def step(self, token: int) -> int:
         """The token after `token` (the one drawn last)."""

@@ -8,11 +8,11 @@ import numpy as np
 from numba import cuda
 
 from .. import kv_quant, quant, reference
-from .gemv import GpuQuant, repack
-from .launchers import (launch_attention, launch_attention_decode_q, launch_dequantize_kv,
-                        launch_gemv, launch_q_dequantize, launch_q_gemv, launch_rmsnorm,
+from .gemv import GpuQuant, chunk, repack, repack_f16
+from .launchers import (attention_counts, fits, launch_attention, launch_attention_decode_q,
+                        launch_dequantize, launch_dequantize_kv, launch_gemv, launch_rmsnorm,
                         launch_rope, launch_rope_store, launch_silu_mul, launch_store_kv,
-                        launch_store_kv_q, split_sums)
+                        launch_store_kv_q, split_sums, sums_needed)
 from .primitives import LANES, SIM
 
 
@@ -43,6 +43,7 @@ class CudaBackend(reference.ReferenceBackend):
                        np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                        np.dtype(np.uint8): torch.uint8}
         self._sums = None        # the split-K GEMVs' scratch (launchers.SplitSums), at load
+        self._counts = {}        # queries 1 or more (0) -> attention's counts (int32 zeros)
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -74,20 +75,41 @@ class CudaBackend(reference.ReferenceBackend):
     # -- weights ---------------------------------------------------------------------------------
 
     def prepare_linear(self, parts: list):
+        """Quantized layers as one float scale and offset per group and 4- or 8-bit codes,
+        float ones as float16 weights: either way the GEMV's layout (gemv.repack)."""
         if all(isinstance(p, quant.QuantWeight) for p in parts):
-            # one float scale and offset per group, 4- or 8-bit codes: the kernels' one layout
             w = quant.concat(parts)
             w = quant.flat(w, 4 if w.bits == 4 else 8)
             codes, scale, offset = repack(w, LANES)
-            if self._sums is None or self._sums.parts.shape[1] < w.shape[0]:
-                self._sums = split_sums(self.zeros, w.shape[0])    # (before any graph)
-            return GpuQuant(self.dev(codes, np.int64), self.dev(scale, scale.dtype),
-                            self.dev(offset, offset.dtype), w.bits, w.shape[1], LANES,
-                            w.group_size)
-        return self.dev(super().prepare_linear(parts), np.float16)
+            scale, offset = self.dev(scale, scale.dtype), self.dev(offset, offset.dtype)
+            bits, group = w.bits, w.group_size
+        else:
+            w = super().prepare_linear(parts)
+            codes, scale, offset = repack_f16(w, LANES), self.empty(0), self.empty(0)
+            bits, group = 16, w.shape[1]
+        w = GpuQuant(self.dev(codes, np.int64), scale, offset, bits, w.shape[1], LANES, group)
+        if self._sums is None or not fits(self._sums, w):     # (at load: before any graph)
+            rows, tiles = sums_needed(w)
+            if self._sums is not None:
+                tiles, rows = max(tiles, self._sums.parts.shape[0]), max(rows,
+                                                                         self._sums.parts.shape[1])
+            self._sums = split_sums(self.zeros, rows, tiles)
+        return w
 
     def prepare_head(self, table: np.ndarray, quantized: bool = False):
-        return self.dev(super().prepare_head(table, quantized), np.float16)
+        """A 4-bit model's float head as the reference's int8 rows (reference.prepare_head),
+        held as 8-bit codes c + 128 with the row's scale s and offset -128 s: half the bytes of
+        float16 for the same products; a float model's as float16."""
+        if not quantized:
+            return self.prepare_linear([table])
+        q, s = reference.int8_rows(table)
+        n_in = table.shape[1]
+        g = chunk(8)                 # groups of the most chunks dividing a row, a power of two
+        while n_in % (2 * g) == 0:   # of them (the GEMV's fast path); each the row's scale
+            g *= 2
+        s = np.repeat(s[:, None], n_in // g, axis=1)
+        return self.prepare_linear([quant.make((q.astype(np.int16) + 128).astype(np.uint8), 8,
+                                                s, -128 * s)])
 
     def prepare_vector(self, a: np.ndarray):
         return self.dev(a)
@@ -106,27 +128,35 @@ class CudaBackend(reference.ReferenceBackend):
 
     def linear(self, x, w):
         x = self.dev(x)
-        T = x.shape[0]
-        if isinstance(w, GpuQuant):
-            if T == 1:
-                y = self.empty((1, w.shape[0]))
-                launch_q_gemv(x[0], w, y[0], self._sums)
-                return y
-            w_t = self.empty((w.shape[1], w.shape[0]))
-            launch_q_dequantize(w, w_t)
-            return self._matmul(x, w_t)
-        if T == 1:
+        if x.shape[0] == 1:
             y = self.empty((1, w.shape[0]))
-            launch_gemv(x[0], w, y[0])
+            launch_gemv(x[0], w, y[0], self._sums)
             return y
-        return self._matmul(x, w.T)
+        w_t = self.empty((w.shape[1], w.shape[0]))
+        launch_dequantize(w, w_t)
+        return self._matmul(x, w_t)
 
     def gated(self, h, w, gelu: bool):
-        if isinstance(w, GpuQuant) and h.shape[0] == 1:      # a decode step: one launch
+        if h.shape[0] == 1:                     # a decode step: one launch
             y = self.empty((1, w.shape[0] // 2))
-            launch_q_gemv(self.dev(h)[0], w, y[0], self._sums, "gelu" if gelu else "silu")
+            launch_gemv(self.dev(h)[0], w, y[0], self._sums, "gelu" if gelu else "silu")
             return y
         return super().gated(h, w, gelu)
+
+    def norm_linear(self, x, norm_w, eps, w, act: str | None = None):
+        """A decode step's RMSNorm and the projection after it in one launch: y [1, out] =
+        RMSNorm(x) * norm_w @ W.T; act ("silu", "gelu"): W a gated MLP's gate|up and y its
+        activation [1, out / 2]."""
+        y = self.empty((1, w.shape[0] // 2 if act else w.shape[0]))
+        launch_gemv(x[0], w, y[0], self._sums, act, (norm_w, eps))
+        return y
+
+    def linear_add(self, x, w, res):
+        """res + x @ W.T in one launch (a decode step's projection and its residual add), into
+        a new array [1, out]."""
+        y = self.empty((1, w.shape[0]))
+        launch_gemv(self.dev(x)[0], w, y[0], self._sums, res=res[0])
+        return y
 
     def rmsnorm(self, x, w, eps):
         x = self.dev(x)
@@ -211,10 +241,22 @@ class CudaBackend(reference.ReferenceBackend):
             if live is None:
                 live = self.dev(np.array([S]), np.int64)
             launch_attention(q, k, v, self.dev(q_pos, np.int64), k_pos, live, scale, window or 0,
-                             sc, out, self.empty)
+                             sc, out, self.empty, self._attention_counts(q, k))
         if score is not None and sc is not score:
             score[...] = self.to_numpy(sc)          # a cache that keeps its scores on the host
         return out
+
+    def _attention_counts(self, q, k):
+        """launch_attention's counts (zeros, which its kernels leave zeros): one query's apart
+        from a prompt's, so that a captured decode step's stay the ones it read while prompts
+        of any length come and go (theirs are made again only larger); one query's made at
+        the first attention, a prompt's, before any decode step."""
+        if 1 not in self._counts:
+            self._counts[1] = self.zeros(attention_counts(q[:1], k), np.int32)
+        n = attention_counts(q, k)
+        if q.shape[0] > 1 and (0 not in self._counts or self._counts[0].shape[0] < n):
+            self._counts[0] = self.zeros(n, np.int32)
+        return self._counts[int(q.shape[0] == 1)]
 
 
 def unavailable() -> str | None:

@@ -9,11 +9,11 @@ import numpy as np
 from numba import cuda
 
 from .. import kv_quant
-from .gemv import ROWS_PER_WARP, group_shift, q4_gemv, q8_gemv, q_dequantize, width
-from .kernels import (add_rmsnorm, attention_combine, attention_scores, attention_split,
-                      attention_splits, gemv, rope, rope_store, silu_mul, store_kv)
+from . import attention, gemv
+from .gemv import q_dequantize
+from .kernels import add_rmsnorm, rope, rope_store, silu_mul, store_kv
 from .kv import MAX_CODES, attention_decode_q, dequantize_kv, store_kv_q
-from .primitives import HALF_MAX, LANES, NORM_THREADS, ROWS, SIM, THREADS
+from .primitives import HALF_MAX, LANES, NORM_THREADS, SIM, THREADS
 
 SCORES_MAX = 2 ** 24     # the most floats of scores [T, Q, S] one launch set of attention keeps
 
@@ -30,14 +30,14 @@ def _size(a) -> int:
 _streams: dict = {}
 
 
-def launch(kernel, grid, block, *args) -> None:
+def launch(kernel, grid, block, *args, shared: int = 0) -> None:
     """Every launch, on torch's current stream: the GPU runs the kernels in torch's order, and
-    a CUDA graph that torch captures sees them. Numba's CUDA simulator has no streams and takes
-    NumPy arrays: there a torch tensor goes in as a NumPy view of its memory (the kernel's
-    writes land in it), and the rest is the same code."""
+    a CUDA graph that torch captures sees them; `shared`: bytes of dynamic shared memory. Numba's
+    CUDA simulator has no streams and takes NumPy arrays: there a torch tensor goes in as a
+    NumPy view of its memory (the kernel's writes land in it), and the rest is the same code."""
     if SIM:
-        kernel[grid, block](*(a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray)
-                              else a for a in args))
+        kernel[grid, block, 0, shared](*(a.numpy() if hasattr(a, "numpy") and
+                                         not isinstance(a, np.ndarray) else a for a in args))
         return
     import torch
 
@@ -45,13 +45,7 @@ def launch(kernel, grid, block, *args) -> None:
     stream = _streams.get(handle)
     if stream is None:
         stream = _streams[handle] = cuda.external_stream(handle)
-    kernel[grid, block, stream](*args)
-
-
-# Fewer row blocks than this and a GEMV splits each row's tiles in two halves, in two blocks
-# (split-K): a GPU holds about 1000 blocks of 256 threads at once (8 on each of 132 SMs), and a
-# layer of few outputs would leave SMs short of warps to hide memory latency with.
-SPLIT_BELOW = 1024
+    kernel[grid, block, stream, shared](*args)
 
 
 def _lanes(w) -> None:
@@ -59,56 +53,90 @@ def _lanes(w) -> None:
         raise ValueError(f"codes tiled for {w.lanes} lanes, kernels launched with {LANES}")
 
 
-def _pairs(x):
-    """x [n]'s int64 view, its inputs in pairs for 8-byte loads (an odd n's last input left
-    out; a copy where x starts at an odd float, which no 8-byte load can)."""
-    n = x.shape[0] - x.shape[0] % 2
-    if isinstance(x, np.ndarray):
-        return x[:n].view(np.int64)
-    import torch
-
-    return (x if x.storage_offset() % 2 == 0 else x.clone())[:n].view(torch.int64)
-
-
 class SplitSums(NamedTuple):
-    """Where a split-K GEMV's blocks leave their sums for the last of them to add up (one for
-    every GEMV of a stream: they run one after another)."""
+    """Where a GEMV's blocks leave the sums of the row blocks they share, for the last of them
+    to add up (one for every GEMV of a stream: they run one after another)."""
 
-    parts: object        # float32 [SPLITS, most outputs]
-    arrived: object      # int32 [most row blocks]: 0 between launches (the kernel leaves it so)
-
-
-SPLITS = 2
+    parts: object        # float32 [most tiles, most rows]
+    lens: object         # int32 [most row blocks x WARPS x most tiles]
+    arrived: object      # int32 [most row blocks x WARPS]: 0 between launches (left so)
 
 
-def split_sums(zeros, most_out: int) -> SplitSums:
-    """SplitSums for GEMVs of up to most_out outputs; zeros(shape, dtype) allocates (the
-    backend's, on the device)."""
-    return SplitSums(zeros((SPLITS, most_out), np.float32),
-                     zeros((blocks(most_out, ROWS_PER_WARP * ROWS),), np.int32))
+STAGED_BYTES = 48 * 1024    # the most x a block stages (more dynamic shared memory than 48 KB
+                            # needs an opt-in Numba does not make)
+
+
+def sums_needed(w) -> tuple[int, int]:
+    """(rows, tiles) of the SplitSums a GEMV of w (a GpuQuant) needs."""
+    return w.shape[0] + gemv.PAD_ROWS, gemv.width(w.bits, w.n_in, LANES) // LANES
+
+
+def split_sums(zeros, rows: int, tiles: int) -> SplitSums:
+    """SplitSums for GEMVs of up to `rows` rows and `tiles` tiles; zeros(shape, dtype)
+    allocates (the backend's, on the device)."""
+    rb = blocks(rows, gemv.R) * gemv.WARPS      # ((row block, warp)s: at most rows / R)
+    return SplitSums(zeros((tiles, rows), np.float32), zeros((rb * tiles,), np.int32),
+                     zeros((rb,), np.int32))
+
+
+def fits(sums: SplitSums, w) -> bool:
+    """Whether sums serve a GEMV of w."""
+    rows, tiles = sums_needed(w)
+    return sums.parts.shape[0] >= tiles and sums.parts.shape[1] >= rows
 
 
 ACTS = {None: 0, "silu": 1, "gelu": 2}     # the GEMV's act: y as it is, or a gated MLP's
 
+_sms: dict = {}
 
-def launch_q_gemv(x, w, y, sums: SplitSums, act: str | None = None) -> None:
-    """y [out] = x [in] @ W.T for a GpuQuant w; y a torch tensor or a NumPy array. With act
-    ("silu", "gelu"), w a gated MLP's fused gate|up [2I, in] and y [I] = act(gate) * up. sums:
-    the split-K GEMV's scratch (split_sums), where x and y are."""
+
+def resident_blocks() -> int:
+    """Blocks of a GEMV the GPU holds at once (its SMs times gemv.BLOCKS_PER_SM; a few in the
+    simulator)."""
+    if SIM:
+        return 4
+    import torch
+
+    dev = torch.cuda.current_device()
+    if dev not in _sms:
+        _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _sms[dev] * gemv.BLOCKS_PER_SM
+
+
+def gemv_grid(w, per_slab: int | None = None) -> tuple[int, int, int]:
+    """(blocks, slabs, dynamic shared bytes) of a GEMV of w: its tiles in slabs of at most
+    STAGED_BYTES of x, each slab's units shared among the GPU's resident blocks / slabs (or
+    per_slab of them)."""
+    tiles = gemv.width(w.bits, w.n_in, LANES) // LANES
+    staged = LANES * gemv.stride(w.bits) * 8             # a tile's bytes in shared memory
+    slabs = min(tiles, -(-tiles * staged // STAGED_BYTES))
+    share = -(-tiles // slabs)
+    slabs = -(-tiles // share)
+    per = per_slab or max(1, resident_blocks() // slabs)
+    return per * slabs, slabs, share * staged
+
+
+def launch_gemv(x, w, y, sums: SplitSums, act: str | None = None, norm=None, res=None,
+                per_slab: int | None = None) -> None:
+    """y [out] = x [in] @ W.T for a GpuQuant w (4- or 8-bit codes, or float16 weights); x, y
+    torch tensors or NumPy arrays. With act ("silu", "gelu"), w a gated MLP's fused gate|up
+    [2I, in] and y [I] = act(gate) * up. norm (norm_w, eps): the input is x RMS-normed with eps
+    times norm_w; res [out]: y = res + x @ W.T (a residual add). sums: the scratch of the
+    row blocks that blocks share (split_sums), where x and y are; per_slab: the blocks a slab,
+    forced (else as many as the GPU holds at once)."""
     _lanes(w)
     if act is not None and 2 * y.shape[0] != w.shape[0]:
         raise ValueError(f"gated GEMV of {w.shape[0]} rows into {y.shape[0]} outputs")
-    rows = blocks(y.shape[0], ROWS) if act else blocks(w.shape[0], ROWS_PER_WARP * ROWS)
-    splits = SPLITS if rows < SPLIT_BELOW and width(w.bits, w.n_in, LANES) >= 2 * LANES else 1
-    if sums.parts.shape[1] < w.shape[0]:
-        raise ValueError(f"split sums for {sums.parts.shape[1]} outputs, not {w.shape[0]}")
-    launch(q4_gemv if w.bits == 4 else q8_gemv, (rows, splits), (LANES, ROWS), x, _pairs(x),
-           w.codes, w.scale, w.offset, w.n_in, w.group, group_shift(w.bits, w.group), ACTS[act],
-           y, sums.parts, sums.arrived)
-
-
-def launch_gemv(x, w, y) -> None:
-    launch(gemv, blocks(w.shape[0], ROWS), (LANES, ROWS), x, w, y)
+    if not fits(sums, w):
+        raise ValueError(f"split sums too small for a layer of {w.shape[0]} rows")
+    grid, slabs, shared = gemv_grid(w, per_slab)
+    none = x[:0]
+    norm_w, eps = norm if norm is not None else (none, 0.0)
+    shift = gemv.group_shift(w.bits, w.group) if w.bits != 16 else 0
+    launch(gemv.KERNELS[w.bits, shift < 0, act is not None], grid, (LANES, gemv.WARPS), x,
+           norm_w, np.float32(eps),
+           none if res is None else res, w.codes, w.scale, w.offset, w.n_in, w.group, shift,
+           ACTS[act], y, sums.parts, sums.lens, sums.arrived, slabs, shared=shared)
 
 
 def norm_threads(n: int) -> int:
@@ -149,32 +177,51 @@ def launch_rope_store(qkv, bias, q_norm, k_norm, eps: float, cos, sin, k_buf, v_
            np.float32(eps), cos, sin, k_buf, v_buf, slots, _top(k_buf), q)
 
 
+def attention_splits(heads: int, T: int, rq: int, D: int) -> int:
+    """The grid's splits for T queries of `heads` blocks of rq query heads: as many as the GPU
+    holds blocks of the kernel at once, in one wave (a prompt's queries fill it alone), at most
+    SPLIT_MAX."""
+    fill = 8 if SIM else resident_blocks() // gemv.BLOCKS_PER_SM * attention.blocks_per_sm(rq, D)
+    return max(1, min(attention.SPLIT_MAX, fill // (heads * T)))
+
+
+def attention_counts(q, k) -> int:
+    """The int32 counts launch_attention needs (for a launch set of q's queries)."""
+    G, (T, Q, D) = k.shape[0], q.shape
+    return min(T, 65535) * G * attention.head_blocks(Q // G, attention.kernel_for(Q // G, D)[1])
+
+
 def launch_attention(q, k, v, q_pos, k_pos, live, scale: float, window: int, score, out, empty,
-                     chunk: int | None = None) -> None:
+                     counts, chunk: int | None = None) -> None:
     """out [T, Q, D] = attention of the queries q [T, Q, D] at positions q_pos [T] (int64) over
     a float cache k, v [G, C, D] whose slots [0, S) hold positions k_pos [Gk, S] (int64; Gk: G
     or 1), of which the first live[0] are read (live: int64 [1] on the device, which a CUDA
     graph's replays read afresh); window 0: none; score [G, C] (H2O; [G, 0]: none) gets each
-    slot's weights added. empty(shape) allocates float32 scratch on the device: the scores
-    [T, Q, S] and the splits' partials, for queries in batches whose scores stay under
-    SCORES_MAX floats (a long prompt). chunk: the slots a split takes (default: the kernels
-    cut the live slots into attention_splits' splits)."""
+    slot's weights added. empty(shape) allocates float32 scratch on the device: the splits'
+    partials, and (H2O) the scores [T, Q, S], for queries in batches whose scores stay under
+    SCORES_MAX floats (a long prompt). counts: int32 zeros, attention_counts(q, k) of them, left
+    zeros. chunk: the slots a split takes (default: the kernel cuts the live slots into
+    attention_splits' splits)."""
     T, Q, D = q.shape
     G, S = k.shape[0], k_pos.shape[1]
-    n = max(1, min(T, SCORES_MAX // max(1, Q * S), 65535))    # (65535: a grid's z limit)
-    splits = blocks(S, chunk) if chunk else attention_splits(Q, n)
-    probs, part = empty((n, Q, S)), empty((n, Q, splits, D))
+    kernel, rq = attention.kernel_for(Q // G, D)
+    heads = G * attention.head_blocks(Q // G, rq)
+    h2o = score.shape[1] > 0
+    n = max(1, min(T, SCORES_MAX // max(1, Q * S) if h2o else T, 65535))  # (a grid's z limit)
+    splits = blocks(S, chunk) if chunk else attention_splits(heads, n, rq, D)
+    if counts.shape[0] < n * heads:
+        raise ValueError(f"{counts.shape[0]} attention counts, not {n * heads}")
+    probs, part = empty((n, Q, S if h2o else 0)), empty((n, Q, splits, D))
     ml, stats = empty((n, Q, splits, 2)), empty((n, Q, 2))
     for a in range(0, T, n):
         b = min(T, a + n)
         probs_b, part_b, ml_b, stats_b = (x[:b - a] for x in (probs, part, ml, stats))
-        launch(attention_split, (Q, splits, b - a), THREADS, q[a:b], k, v, q_pos[a:b], k_pos,
-                live, np.float32(scale), window, chunk or 0, probs_b, part_b, ml_b)
-        launch(attention_combine, (Q, b - a), THREADS, part_b, ml_b, S, live, chunk or 0,
-                out[a:b], stats_b)
-        if score.shape[1] > 0:
-            launch(attention_scores, blocks(G * S, THREADS), THREADS, probs_b, stats_b, live,
-                    score)
+        launch(kernel, (heads, splits, b - a), (LANES, attention.WARPS), q[a:b], k.reshape(-1),
+               v.reshape(-1), k.shape[1], q_pos[a:b], k_pos, live, np.float32(scale), window,
+               chunk or 0, probs_b, part_b, ml_b, counts, out[a:b], stats_b)
+        if h2o:
+            launch(attention.attention_scores, blocks(G * S, THREADS), THREADS, probs_b, stats_b,
+                   live, score)
 
 
 def launch_store_kv_q(store: kv_quant.QuantKV, slots, k, v) -> None:
@@ -195,7 +242,8 @@ def launch_attention_decode_q(q, store: kv_quant.QuantKV, q_pos: int, k_pos, sca
             np.float32(scale), window, score, probs, out)
 
 
-def launch_q_dequantize(w, dst) -> None:
+def launch_dequantize(w, dst) -> None:
+    """dst [n_in, out] = W.T of a GpuQuant, for a prompt's matmul."""
     _lanes(w)
     launch(q_dequantize, blocks(w.codes.shape[0], THREADS), THREADS, w.codes, w.scale, w.offset,
            w.bits, w.n_in, w.group, dst)

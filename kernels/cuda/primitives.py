@@ -7,8 +7,10 @@ smaller; every kernel is written for any of these sizes.
 
 from __future__ import annotations
 
+import math
+
 import numba
-from numba import cuda
+from numba import cuda, float32
 
 from .. import jit_cache
 
@@ -19,11 +21,10 @@ if SIM:
     from .simulator import mend
 
     mend()
-LANES = 4 if SIM else 32     # threads per output row of a GEMV (a warp: neighbouring words of
-                             # a row, 128 bytes at once)
-ROWS = 2 if SIM else 8       # output rows per block of a GEMV
-THREADS = 8 if SIM else 128  # threads per block of decode attention (a power of two: the
-                             # block reductions halve it)
+LANES = 4 if SIM else 32     # a warp's lanes (the simulator's fewer: it runs a thread as a
+                             # Python thread)
+THREADS = 8 if SIM else 128  # threads per block of the elementwise kernels and the quantized
+                             # cache's (a power of two: the block reductions halve it)
 NORM_THREADS = 16 if SIM else 1024   # the most threads per block of RMSNorm: a decode step's
                              # row (4096 wide at 7B) is one block's, 4 elements a thread
 HALF_MAX = 65504.0   # the largest finite float16 (a float16 cache clamps to it, as the reference)
@@ -82,11 +83,11 @@ def square_add(acc, x):
 @cuda.jit(device=True)
 def block_reduce(part, tid, value, take_max):
     """The sum (or, with take_max, the largest) of `value` over the block's threads (a power of
-    two of them), in shared scratch part [at least that many]: halving strides, a barrier after
-    each."""
+    two of them, in one or two dimensions; tid: x + y blockDim.x), in shared scratch part [at
+    least that many]: halving strides, a barrier after each."""
     part[tid] = value
     cuda.syncthreads()
-    stride = cuda.blockDim.x // 2
+    stride = cuda.blockDim.x * cuda.blockDim.y // 2
     while stride > 0:
         if tid < stride:
             other = part[tid + stride]
@@ -96,6 +97,61 @@ def block_reduce(part, tid, value, take_max):
     result = part[0]
     cuda.syncthreads()
     return result
+
+
+@cuda.jit(device=True)
+def inv_rms(total, n, eps):
+    """An RMSNorm's factor 1 / sqrt(total / n + eps) for n values whose squares sum to total, in
+    float32 as the reference's (float64 would cost a slow square root and products)."""
+    return float32(1) / math.sqrt(total / float32(n) + float32(eps))
+
+
+# Numba's CUDA simulator has no warp shuffles (cuda.shfl_*_sync raise there): so the sum of a
+# warp's lanes is a device function chosen here, once, at import: on hardware the lanes' values
+# move between registers (no shared memory, no barrier); in the simulator they go through shared
+# memory. Both need every thread of the block to call it (a barrier, or a full-warp mask).
+if SIM:
+    @cuda.jit(device=True)
+    def warp_allsum(v, lane, warp):
+        """The sum of v over the LANES lanes of warp `warp` of a (LANES, warps) block, in every
+        lane (the same float in each, summed in one order)."""
+        part = cuda.shared.array((32, LANES), float32)
+        part[warp, lane] = v
+        cuda.syncthreads()
+        total = float32(0)
+        for k in range(LANES):
+            total += part[warp, k]
+        cuda.syncthreads()   # every lane has read before a next call (in a loop) writes again
+        return total
+
+    @cuda.jit(device=True)
+    def warp_allsums(v, n, lane, warp):
+        """v[k] for k < n (n <= 16; a local array) each summed over warp `warp`'s lanes, in
+        place, in every lane, as warp_allsum sums them: here with two barriers in all, not two
+        a value (the simulator's barrier takes a millisecond)."""
+        part = cuda.shared.array((32, 16, LANES), float32)
+        for k in range(n):
+            part[warp, k, lane] = v[k]
+        cuda.syncthreads()
+        for k in range(n):
+            total = float32(0)
+            for j in range(LANES):
+                total += part[warp, k, j]
+            v[k] = total
+        cuda.syncthreads()
+else:
+    @cuda.jit(device=True)
+    def warp_allsum(v, lane, warp):
+        offset = LANES // 2
+        while offset > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+            offset //= 2
+        return v
+
+    @cuda.jit(device=True, inline=True)
+    def warp_allsums(v, n, lane, warp):
+        for k in range(n):
+            v[k] = warp_allsum(v[k], lane, warp)
 
 
 @cuda.jit(device=True)

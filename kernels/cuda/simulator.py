@@ -12,8 +12,9 @@ check-then-act with no lock:
 
 `mend()`: the array made once per site, under a lock; and a kernel's launch points `cuda` at the
 simulated module in every module of this package (and any other whose device function it calls)
-until the launch ends, so a device function's call changes nothing (a lock there, taken twice a
-call, made kernels of many small calls several times slower). Only ever called in the simulator.
+until the launch ends, so a device function's call changes nothing, and is a plain call (a lock
+there, taken twice a call, made kernels of many small calls several times slower). Only ever
+called in the simulator.
 """
 
 from __future__ import annotations
@@ -29,11 +30,24 @@ _PACKAGE = __name__.rpartition(".")[0] + "."
 _launch: list | None = None     # while a kernel runs: (a module's globals, its own values)
 
 
+_held: set = set()               # ids of the globals _launch holds (while a kernel runs)
+
+
 def _swap(globs: dict, cuda, fake) -> None:
     own = {k: v for k, v in globs.items() if v is cuda}
+    _held.add(id(globs))
     if own:
         globs.update(dict.fromkeys(own, fake))
         _launch.append((globs, own))
+
+
+def _call(self, *args):
+    """FakeCUDAKernel.__call__, a device function of a module already held called at once
+    (its context manager and its scan of the module's globals, at every call, were most of
+    a GEMV's time in the simulator: its device functions are called per code)."""
+    if _launch is not None and id(self.fn.__globals__) in _held:
+        return self.fn(*args)
+    return _unheld_call(self, *args)
 
 
 @contextmanager
@@ -56,6 +70,7 @@ def _swapped_cuda_module(fn, fake):
         for globs, own in reversed(_launch):
             globs.update(own)
         _launch = None
+        _held.clear()
 
 
 def _array(self, shape, dtype):
@@ -75,17 +90,19 @@ def _array(self, shape, dtype):
     return a
 
 
-_unlocked_array = None
+_unlocked_array = _unheld_call = None
 
 
 def mend() -> None:
     """The shared arrays made under the lock, the modules' `cuda` held for a launch
     (idempotent)."""
-    global _unlocked_array
+    global _unlocked_array, _unheld_call
     from numba.cuda.simulator import kernel, kernelapi
 
     if _unlocked_array is not None:
         return
     _unlocked_array = kernelapi.FakeCUDAShared.array
     kernelapi.FakeCUDAShared.array = _array
+    _unheld_call = kernel.FakeCUDAKernel.__call__
+    kernel.FakeCUDAKernel.__call__ = _call
     kernelapi.swapped_cuda_module = kernel.swapped_cuda_module = _swapped_cuda_module
