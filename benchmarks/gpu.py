@@ -13,8 +13,8 @@ For each model and context C (--contexts), tinyrt (`tinyrt.load(MODEL, device=..
 tinyrt.bench.timed_runs: the generation loop a reply runs) prefills C random token ids into an
 empty cache (prefill tok/s = C / that time, the last token's logits and its draw included), then
 decodes --decode-tokens greedy tokens after them (decode tok/s: on a GPU the decode steps run on
-the device, replayed as one CUDA graph after an eager first step and the capture, both counted;
---no-cuda-graph runs them eagerly); medians of --runs runs (one count, or one a context: 3,2),
+the device, replayed as one CUDA graph, captured in the warm-up reply and restarted by each
+later one as a user's next reply is; --no-cuda-graph runs them eagerly); medians of --runs runs (one count, or one a context: 3,2),
 each run's figures beside them, after a warm-up run that compiles the kernels.
 GB/s is the bytes one decoded token reads (the prepared weights as tinyrt/bench.py counts them,
 the embedding left out, plus the KV cache at its mean length over the decode) times decode tok/s,

@@ -13,8 +13,8 @@ The check of a GPU machine's first minutes (docs/GPU.md, `gpu_offline.sh first`)
    When both devices' margins are under --tie (1 %) it is a near tie that the order of float
    sums decides (the tokens after it are not compared); else a fault.
 3. profile (a GPU only): torch.profiler over a reply's decode steps, captured and eager (its
-   first step, eager in both, left out): every kernel's launches and microseconds a step
-   (CUPTI sees Numba's launches), after the prompt; and, captured, after a prompt of each of
+   first step left out): every kernel's launches and microseconds a step (CUPTI sees Numba's
+   launches), and the step's wall time in a reply not profiled, after the prompt; and, captured, after a prompt of each of
    --profile-contexts random ids (attention's share grows with the context).
 
 With --json the result so far also goes to stderr as one line (`gpu_check: {...}`) after the
@@ -86,12 +86,14 @@ def last_logits(llm, ids: list[int]) -> np.ndarray:
     return llm.model.backend.to_numpy(out)[-1].astype(np.float64)
 
 
-def greedy(llm, ids: list[int], n: int) -> list[int]:
-    """n greedy tokens after `ids`, from an empty cache."""
+def greedy(llm, ids: list[int], n: int, timings: bool = False):
+    """n greedy tokens after `ids`, from an empty cache (timings: the reply's Timings
+    instead)."""
     from tinyrt.bench import greedy_reply
 
     llm.reset()
-    return list(greedy_reply(llm, ids, n).tokens)
+    reply = greedy_reply(llm, ids, n)
+    return reply.timings if timings else list(reply.tokens)
 
 
 def parting(gpu_llm, cpu_llm, ids: list[int], a: list[int], b: list[int], tie: float) -> dict:
@@ -114,8 +116,11 @@ def parting(gpu_llm, cpu_llm, ids: list[int], a: list[int], b: list[int], tie: f
 
 def profile(llm, ids: list[int], steps: int) -> dict:
     """Each kernel's launches and device microseconds per decode step, over the steps 2 to
-    `steps` of a reply (a reply of one decode step, its prefill and its first step, which runs
-    eagerly before a graph's capture, profiled the same way and taken off)."""
+    `steps` of a reply (a reply of one decode step, its prefill and its first step, profiled the
+    same way and taken off); and the step's wall
+    microseconds in a reply not profiled (the host's wait for its token included), whose excess
+    over the kernels' time, a launch, is what a launch costs beyond its kernel (`gap_us`: the
+    step model's GAP, in a captured graph)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
@@ -139,10 +144,13 @@ def profile(llm, ids: list[int], steps: int) -> dict:
         if count > c0:
             per[name] = {"launches": (count - c0) / (steps - 1), "us": (us - us0) / (steps - 1)}
     per = dict(sorted(per.items(), key=lambda kv: -kv[1]["us"]))
+    launches, us = sum(k["launches"] for k in per.values()), sum(k["us"] for k in per.values())
+    t = greedy(llm, ids, steps + 1, timings=True)
+    wall = 1e6 * t.decode_s / max(t.decode_steps, 1)
     # (the cache holds the prompt and the tokens before each profiled step)
     return {"steps": steps - 1, "context": [len(ids) + 1, len(ids) + steps - 1], "kernels": per,
-            "launches": sum(k["launches"] for k in per.values()),
-            "us": sum(k["us"] for k in per.values())}
+            "launches": launches, "us": us, "wall_us": wall,
+            "gap_us": (wall - us) / launches if launches else None}
 
 
 def report(r: dict) -> str:

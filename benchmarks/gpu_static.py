@@ -1,5 +1,8 @@
-"""The decode kernels compiled for a GPU without one: SASS of the quantized GEMV's inner loop,
-registers and spills of every kernel a decode step launches, and launches per token.
+"""The decode kernels compiled for a GPU without one, and the step model they feed: SASS of the
+GEMV's and attention's hot loops, registers and spills of every kernel a decode step launches,
+launches per token, and (benchmarks/gpu_model.py) each kernel's time and the step's tok/s and
+share of the copy bandwidth at Llama-2-7B's and Llama-3-8B's shapes on an H200 and a Jetson AGX
+Orin, the model fitted first to the first GPU run's profile of the kernels of main af730b3.
 
 A decode step of a tiny 4-bit model of Llama-2-7B's layer structure (MHA, fused q|k|v and
 gate|up projections, SwiGLU, RMSNorm; benchmarks/gpu.py's AWQ model writer at toy sizes) runs
@@ -10,17 +13,17 @@ token makes fixed + 32 per_layer launches, `launches_per_token_per_layer_7b` of 
 (torch's own ops are not counted: tests/test_device_decode.py checks a layer runs none).
 
 Each recorded kernel is compiled to PTX by Numba's CUDA target for each --arch (default sm_90,
-an H100's, and sm_87, Jetson Orin's), then by ptxas (-v: registers, spill stores and loads).
-The 4- and 8-bit GEMVs are also disassembled (nvdisasm): their inner loop is the innermost
-loop (a backward branch) that reads x from shared memory, and its instructions, divided by the
-weights one turn of it multiplies (two rows' chunks), are `q4_gemv_sass_per_weight` (float16
-scales; float32 ones too). The tools: Numba with libNVVM, ptxas and nvdisasm (found on PATH,
-under CUDA_HOME, or in NVIDIA's pip wheels); a missing one is named with its pip package.
+an H100's and H200's, and sm_87, Jetson Orin's), then by ptxas (-v: registers, spill stores
+and loads). The GEMVs' hot path (a unit: a tile of R rows; compiled without the flush a row
+block's end runs, gemv.FLUSH) and attention's (a turn of U slots) are disassembled (nvdisasm):
+their instructions a unit and a slot, and those of the integer pipe, go to the model;
+`q4_gemv_sass_per_weight` is the 4-bit unit's over its R x 16 weights a lane. The tools: Numba
+with libNVVM, ptxas and nvdisasm (found in NVIDIA's pip wheels, on PATH, or under CUDA_HOME); a
+missing one is named with its pip package.
 
     python benchmarks/gpu_static.py             # a table
-    python benchmarks/gpu_static.py --json      # the figures as JSON
-    python benchmarks/gpu_static.py --sass      # and the GEMVs' inner loops, instruction by
-                                                # instruction
+    python benchmarks/gpu_static.py --json      # the figures as JSON (predicted_*, model_*...)
+    python benchmarks/gpu_static.py --sass      # and the hot loops, instruction by instruction
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # (gpu.py, gpu_model.py beside)
 LAYERS_7B = 32
 # the tiny model: Llama-2-7B's structure (as many KV heads as heads), AWQ groups of 32
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
@@ -81,7 +85,6 @@ def record() -> dict:
     from numba import typeof, types
     from numba.cuda.simulator import kernel as simulated
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gpu as gpu_bench            # benchmarks/gpu.py: its AWQ model writer
 
     gpu_bench.AWQ = dict(gpu_bench.AWQ, group_size=32)      # (its models' 128: too wide here)
@@ -99,7 +102,8 @@ def record() -> dict:
     def counted(self, *args):
         if not self._device and counts:
             counts[-1] += 1
-            seen.add(json.dumps([self.fn.__module__, self.fn.__name__, [spec(a) for a in args]]))
+            fn = self.py_func
+            seen.add(json.dumps([fn.__module__, fn.__name__, [spec(a) for a in args]]))
         return call(self, *args)
 
     step = device_decode.DeviceDecoder.step
@@ -221,85 +225,188 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
 
 
-def gemv_loop(code, weights: int) -> dict:
-    """The GEMV's inner loop: the innermost loop that loads x from shared memory (LDS)."""
-    found = [body for body in loops(code) if any(opcode(t).startswith("LDS") for t in body)]
-    if len(found) != 1:
-        raise RuntimeError(f"{len(found)} innermost loops read shared memory, not 1")
-    body = found[0]
+# the integer pipe's opcodes (half the FP32 pipe's rate on sm_80 and later); the uniform
+# datapath's (U...) issue apart, and are left out
+INTEGER = ("IADD", "IMAD", "LOP", "SHF", "LEA", "SEL", "ISETP", "VIADD", "PRMT", "FLO", "POPC",
+           "BMSK", "IABS", "IMNMX")
+
+
+def loop_counts(body: list[str]) -> dict:
     ops = collections.Counter(opcode(t) for t in body)
-    return {"instructions": len(body), "weights": weights,
-            "per_weight": round(len(body) / weights, 3),
-            "ffma_per_weight": round(ops["FFMA"] / weights, 3),
+    return {"instructions": len(body),
+            "integer": sum(n for op, n in ops.items() if op.startswith(INTEGER)),
             "opcodes": dict(ops.most_common()), "listing": body}
 
 
-def analyse(archs: list[str], recorded: dict) -> dict:
+def compiled(cuda, kernel, sig: tuple, arch: str, work: Path, name: str):
+    """(ptxas's {registers, spills}, the SASS) of a kernel (its Python function) compiled for
+    arch, with the launch bounds it has."""
+    cc = (int(arch[3:-1]), int(arch[-1]))
+    bounds = kernel.targetoptions.get("launch_bounds")
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc, launch_bounds=bounds)
+    stats, cubin = assemble(ptx, arch, work, name)
+    return stats, sass(cubin)
+
+
+def _gemv_signature() -> tuple:
     from numba.core import types as t
 
-    out: dict = {"kernels": {}, "gemv": {}}
+    a = lambda dt, nd=1: t.Array(dt, nd, "C")      # noqa: E731
+    return (a(t.float32), a(t.float32), t.float32, a(t.float32), a(t.int64), a(t.float16),
+            a(t.float16), t.int64, t.int64, t.int64, t.int64, a(t.float32), a(t.float32, 2),
+            a(t.int32), a(t.int32), t.int64)
+
+
+def gemv_units(arch: str, work: Path) -> dict:
+    """bits -> the GEMV's hot loop a unit: compiled with gemv.FLUSH off (the loop of three units
+    with no flush in it, innermost). Its own process: Numba keeps a device function as first
+    compiled, FLUSH and all."""
+    from tinyrt.kernels.cuda import gemv
+
+    gemv.FLUSH = False
+    cuda = _numba_for((int(arch[3:-1]), int(arch[-1])))
+    out = {}
+    for bits in (4, 8, 16):
+        _, code = compiled(cuda, gemv.KERNELS[bits, False, False], _gemv_signature(), arch,
+                           work, f"q{bits}_hot")
+        found = [body for body in loops(code) if any(opcode(x).startswith("LDS") for x in body)
+                 and any(opcode(x) == "FFMA" for x in body)]
+        if len(found) != 1:
+            raise RuntimeError(f"{len(found)} hot loops in q{bits}'s SASS, not 1")
+        out[bits] = loop_counts(found[0])
+    return out
+
+
+def gemv_hot(cuda, arch: str, work: Path) -> dict:
+    """bits -> the GEMV's registers (its whole code) and its hot loop a unit (gemv_units')."""
+    from tinyrt.kernels.cuda import gemv
+
+    run = subprocess.run([sys.executable, __file__, "--units", arch, str(work)],
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"the GEMV's hot loops did not compile:\n{run.stderr[-2000:]}")
+    units = json.loads(run.stdout)
+    out = {}
+    for bits in (4, 8, 16):
+        stats, _ = compiled(cuda, gemv.KERNELS[bits, False, False], _gemv_signature(), arch,
+                            work, f"q{bits}")
+        c = units[str(bits)]
+        weights = gemv.R * gemv.chunk(bits)             # a unit's, a lane's
+        out[bits] = {**stats, "unit": c["instructions"] / 3, "integer": c["integer"] / 3,
+                     "per_weight": round(c["instructions"] / 3 / weights, 3),
+                     "opcodes": c["opcodes"], "listing": c["listing"]}
+    return out
+
+
+def attention_hot(cuda, arch: str, work: Path) -> dict:
+    """"RQxCH" -> attention's registers and instructions a slot (a warp's: its turn of U slots,
+    unrolled as LLVM unrolled it, over the slots whose K and V rows it loads), head dim 128 (the
+    model's shapes')."""
+    from numba.core import types as t
+
+    from tinyrt.kernels.cuda import attention
+
+    a = lambda dt, nd=1: t.Array(dt, nd, "C")      # noqa: E731
+    f32, i64 = t.float32, t.int64
+    sig = (a(f32, 3), a(t.float16), a(t.float16), i64, a(i64), a(i64, 2), a(i64), f32, i64, i64,
+           a(f32, 3), a(f32, 4), a(f32, 4), a(t.int32), a(f32, 3), a(f32, 3))
+    out = {}
+    for rq in (1, 2, 4, 8):
+        for D in (128,):
+            name = f"{rq}x{D // 32}"
+            kernel = attention.kernel_for(rq, D)[0]
+            stats, code = compiled(cuda, kernel, sig, arch, work, f"attention_{name}")
+            found = [b for b in loops(code) if any(opcode(x) == "SHFL.BFLY" for x in b)
+                     and any(opcode(x).startswith("LDG") for x in b)]
+            if len(found) != 1:
+                raise RuntimeError(f"{len(found)} hot loops in attention_{name}'s SASS, not 1")
+            c = loop_counts(found[0])
+            slots = sum(opcode(x).startswith("LDG.E.U16") for x in found[0]) / (2 * D // 32)
+            out[name] = {**stats, "slot": c["instructions"] / slots,
+                         "integer": c["integer"] / slots, "slots": slots,
+                         "opcodes": c["opcodes"], "listing": c["listing"]}
+    return out
+
+
+def analyse(archs: list[str], recorded: dict) -> dict:
+    out: dict = {"kernels": {}, "gemv": {}, "attention": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for arch in archs:
             cc = (int(arch[3:-1]), int(arch[-1]))
             cuda = _numba_for(cc)
-            from tinyrt.kernels.cuda import gemv
-
             regs = out["kernels"][arch] = {}
             for i, (module, name, args) in enumerate(recorded["kernels"]):
-                fn = getattr(importlib.import_module(module), name).py_func
-                ptx, _ = cuda.compile_ptx(fn, signature(args), cc=cc)
-                stats = assemble(ptx, arch, work, f"{name}{i}")[0]
+                mod = importlib.import_module(module)
+                kernel = getattr(mod, name, None) or mod.named(name)
+                stats, _ = compiled(cuda, kernel, signature(args), arch, work, f"{name}{i}")
                 old = regs.get(name, stats)         # (a kernel of several signatures: the most)
                 regs[name] = {k: max(v, old[k]) for k, v in stats.items()}
-            a = lambda dt: t.Array(dt, 1, "C")      # noqa: E731
-            loops_here = out["gemv"][arch] = {}
-            for bits, kernel in ((4, gemv.q4_gemv), (8, gemv.q8_gemv)):
-                for scales in ("float16", "float32"):
-                    f = getattr(t, scales)
-                    sig = (a(t.float32), a(t.int64), a(t.int64), a(f), a(f), t.int64, t.int64,
-                           t.int64, t.int64, a(t.float32), t.Array(t.float32, 2, "C"),
-                           a(t.int32))
-                    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=cc)
-                    name = f"q{bits}_gemv_{scales}"
-                    stats, cubin = assemble(ptx, arch, work, name)
-                    weights = gemv.ROWS_PER_WARP * gemv.chunk(bits)
-                    loops_here[name] = {**stats, **gemv_loop(sass(cubin), weights)}
+            out["gemv"][arch] = gemv_hot(cuda, arch, work)
+            out["attention"][arch] = attention_hot(cuda, arch, work)
     return out
 
 
 def report(archs: list[str]) -> dict:
+    import gpu_model
+
     recorded = launches()
     one, two = recorded["per_step"]["1"], recorded["per_step"]["2"]
     per_layer, fixed = two - one, 2 * one - two
     result = analyse(archs, recorded)
-    main = result["gemv"][archs[0]]
+    hot_gemv, hot_att = result["gemv"]["sm_90"], result["attention"]["sm_90"]
+    sass_facts = gpu_model.Sass(
+        gemv={b: {k: v[k] for k in ("registers", "unit", "integer")} for b, v in hot_gemv.items()},
+        attention={n: {k: v[k] for k in ("registers", "slot", "integer")}
+                   for n, v in hot_att.items()})
+    model = gpu_model.predictions(sass_facts)
+    h200 = model["machines"]["h200"]
     return {"arch": archs[0],
-            "q4_gemv_sass_per_weight": main["q4_gemv_float16"]["per_weight"],
-            "q4_gemv_sass_per_weight_float32_scales": main["q4_gemv_float32"]["per_weight"],
-            "q8_gemv_sass_per_weight": main["q8_gemv_float16"]["per_weight"],
+            "q4_gemv_sass_per_weight": hot_gemv[4]["per_weight"],
+            "q8_gemv_sass_per_weight": hot_gemv[8]["per_weight"],
+            "q4_gemv_bytes_in_flight_per_sm": model["q4_gemv_bytes_in_flight_per_sm"],
+            "model_error_vs_af730b3": model["model_error_vs_af730b3"],
+            **{f"predicted_pct_copy_bw_{shape}_{ctx}": h200[shape][ctx]["pct_copy_bw"]
+               for shape in h200 for ctx in h200[shape]},
+            **{f"predicted_tok_s_{shape}_{ctx}": h200[shape][ctx]["tok_s"]
+               for shape in h200 for ctx in h200[shape]},
             "launches_per_token_per_layer_7b":
                 round((fixed + LAYERS_7B * per_layer) / LAYERS_7B, 3),
             "launches": {"per_layer": per_layer, "per_token_fixed": fixed,
                          "layers_7b": LAYERS_7B},
-            **result}
+            "step_model": model, **result}
 
 
 def table(r: dict, listing: bool) -> str:
-    lines = [f"SASS per weight in the GEMV's inner loop ({r['arch']}): 4-bit "
-             f"{r['q4_gemv_sass_per_weight']} (float32 scales "
-             f"{r['q4_gemv_sass_per_weight_float32_scales']}), 8-bit "
-             f"{r['q8_gemv_sass_per_weight']}",
+    m = r["step_model"]
+    lines = [f"GEMV hot path ({r['arch']}): {r['q4_gemv_sass_per_weight']} SASS a 4-bit weight, "
+             f"{r['q8_gemv_sass_per_weight']} an 8-bit one; {r['q4_gemv_bytes_in_flight_per_sm']}"
+             " bytes in flight an SM (4-bit, Llama-2-7B's q|k|v on an H200)",
              f"launches a token, a layer, at Llama-2-7B's {LAYERS_7B} layers: "
              f"{r['launches_per_token_per_layer_7b']} ({r['launches']['per_layer']} a layer, "
-             f"{r['launches']['per_token_fixed']} a token besides)", ""]
-    for arch, loops_here in r["gemv"].items():
-        for name, s in loops_here.items():
-            lines.append(f"{arch} {name}: {s['instructions']} instructions for {s['weights']} "
-                         f"weights ({s['per_weight']} a weight), {s['registers']} registers, "
+             f"{r['launches']['per_token_fixed']} a token besides)",
+             f"step model: latencies {m['latency_us']} us, fitted to af730b3's profile within "
+             f"{100 * m['model_error_vs_af730b3']:.0f} % (its four kernels; "
+             f"{100 * m['fit_error_all']:.0f} % with the small ones)"]
+    lines += [f"  af730b3 {k}: {v['predicted']} us predicted, {v['measured']} measured"
+              for k, v in m["af730b3"].items()]
+    for machine, shapes in m["machines"].items():
+        for shape, ctxs in shapes.items():
+            for ctx, p in ctxs.items():
+                lines.append(f"  {machine} {shape} at {ctx}: {p['tok_s']} tok/s, "
+                             f"{p['pct_copy_bw']} % of copy; us a layer: "
+                             + ", ".join(f"{k} {v}" for k, v in p["kernels_us_per_layer"].items()))
+    lines.append("")
+    for arch in r["gemv"]:
+        for bits, s in r["gemv"][arch].items():
+            lines.append(f"{arch} {bits}-bit GEMV: {s['unit']:.0f} instructions a unit "
+                         f"({s['per_weight']} a weight), {s['registers']} registers, "
                          f"spills {s['spill_stores']}/{s['spill_loads']} bytes")
             if listing:
                 lines += ["    " + t for t in s["listing"]]
+        for name, s in r["attention"][arch].items():
+            lines.append(f"{arch} attention {name}: {s['slot']:.0f} instructions a slot, "
+                         f"{s['registers']} registers")
     lines.append("")
     for arch, kernels in r["kernels"].items():
         lines.append(f"{arch}: " + ", ".join(
@@ -316,9 +423,13 @@ def main() -> int:
     ap.add_argument("--sass", action="store_true", help="list the GEMVs' inner loops")
     ap.add_argument("--arch", nargs="+", default=["sm_90", "sm_87"])
     ap.add_argument("--record", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--units", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.record:
         print(json.dumps(record()))
+        return 0
+    if args.units:
+        print(json.dumps(gemv_units(args.units[0], Path(args.units[1]))))
         return 0
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         print("run it outside Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM unset): it compiles "
@@ -331,8 +442,8 @@ def main() -> int:
         print(e, file=sys.stderr)
         return 3
     if not args.sass:
-        for loops_here in r["gemv"].values():
-            for s in loops_here.values():
+        for hot in (*r["gemv"].values(), *r["attention"].values()):
+            for s in hot.values():
                 del s["listing"]
     print(json.dumps(r, indent=1) if args.json else table(r, args.sass))
     return 0

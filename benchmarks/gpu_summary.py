@@ -140,7 +140,8 @@ def per_layer(p: dict, layers: int, full_layers: int | None) -> dict:
     widths: gpu_check's 4 layers make q4_gemv 16 launches, all in layers; add_rmsnorm 9, 2 a
     layer and the final norm; the head's gemv, argmax and the step's bookkeeping 1, per step).
     With fewer than 2 layers nothing tells them apart: all is per step."""
-    out: dict = {k: p[k] for k in ("context", "steps", "error") if k in p}
+    out: dict = {k: p[k] for k in ("context", "steps", "error", "wall_us", "gap_us", "launches")
+                 if k in p}
     lay, step = out["us_per_layer"], out["us_per_step"] = {}, {}
     for name, k in p.get("kernels", {}).items():
         n = max(round(k["launches"]), 1)
