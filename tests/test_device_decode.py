@@ -284,7 +284,7 @@ def test_generation_on_the_device_is_the_host_s(tiny, monkeypatch, policy, size,
     opts = dict(device="cuda", kv_policy=policy, kv_size=size, kv_type=kv_type, sinks=2)
     dev, host = tinyrt.LLM(tiny, **opts), tinyrt.LLM(tiny, **opts)
     ids = list(seeded_rng().integers(3, 300, 5))
-    kw = dict(max_tokens=24, ignore_eos=True, temperature=0, repeat_penalty=1.2)
+    kw = dict(max_tokens=14, ignore_eos=True, temperature=0, repeat_penalty=1.2)
     steps, step = [], device_decode.DeviceDecoder.step
     monkeypatch.setattr(device_decode.DeviceDecoder, "step",
                         lambda self, token: steps.append(token) or step(self, token))
