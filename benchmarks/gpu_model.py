@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -261,9 +261,7 @@ def gemv_launch(sass: Sass, m: Machine, rows: int, n_in: int, bits: int = 4,
     per = 64 // bits
     tiles = -(-n_in // (32 * per))
     staged = 32 * gemv.stride(bits) * 8
-    slabs = min(tiles, -(-tiles * staged // launchers.STAGED_BYTES))
-    share = -(-tiles // slabs)
-    slabs = -(-tiles // share)
+    slabs, share = launchers.gemv_slabs(tiles, staged)
     threads = 32 * gemv.WARPS
     blocks = max(1, m.sms * gemv.BLOCKS_PER_SM // slabs) * slabs
     row_blocks = -(-rows // (gemv.WARPS * gemv.R))

@@ -229,14 +229,13 @@ def _merge(part, ml, out, stats, t, h0, nh, splits, fac, tot, tid):
 
 # attention_RQxCH: out [T, Q, D] of the queries q [T, Q, D] (scaled by `scale`) at positions
 # q_pos [T] over the cache buffers k, v [G, C, D] (flat: [G C D]), slots [0, S) of which hold
-# positions k_pos
-# [Gk, S] (Gk = G: a table per KV head, or 1: one for all; -1: free), in any order, the first
-# live[0] read (live_splits, with chunk: 0, or the slots a split takes); window <= 0: none.
-# Grid (G HB, splits, T), block (LANES, WARPS); RQ query heads a block (HB = R / RQ rounded up
-# of each KV head's R), CH channels a lane. probs [T, Q, S] gets the raw scores (H2O), or is
-# [T, Q, 0]; part [T, Q, splits, D] and ml [T, Q, splits, 2] the splits' partials; arrived
-# [T G HB] int32 counts them (0 between launches, left 0); stats [T, Q, 2] gets the softmax's
-# largest score and sum (attention_scores reads them).
+# positions k_pos [Gk, S] (Gk = G: a table per KV head, or 1: one for all; -1: free), in any
+# order, the first live[0] read (live_splits, with chunk: 0, or the slots a split takes);
+# window <= 0: none. Grid (G HB, splits, T), block (LANES, WARPS); RQ query heads a block
+# (HB = R / RQ rounded up of each KV head's R), CH channels a lane. probs [T, Q, S] gets the
+# raw scores (H2O), or is [T, Q, 0]; part [T, Q, splits, D] and ml [T, Q, splits, 2] the
+# splits' partials; arrived [T G HB] int32 counts them (0 between launches, left 0); stats
+# [T, Q, 2] gets the softmax's largest score and sum (attention_scores reads them).
 _KERNELS: dict = {}
 
 
@@ -259,10 +258,7 @@ def kernel_for(R: int, D: int):
     if D > LANES * CH_MAX:
         raise ValueError(f"attention kernels take head dims up to {LANES * CH_MAX}, not {D}")
     rq = 1 if R <= 1 else 2 if R <= 2 else 4 if R <= 4 else 8
-    key = rq, -(-D // LANES), D % LANES == 0
-    if key not in _KERNELS:
-        _KERNELS[key] = _kernel(*key)
-    return _KERNELS[key], rq
+    return _made((rq, -(-D // LANES), D % LANES == 0)), rq
 
 
 def named(name: str):
@@ -270,7 +266,11 @@ def named(name: str):
     where it is not yet: those are no module names (tests and benchmarks/gpu_static.py compile
     what a launch recorded)."""
     rq, ch = name.removeprefix("attention_").rstrip("p").split("x")
-    key = int(rq), int(ch), not name.endswith("p")
+    return _made((int(rq), int(ch), not name.endswith("p")))
+
+
+def _made(key: tuple):
+    """_kernel(*key), made once."""
     if key not in _KERNELS:
         _KERNELS[key] = _kernel(*key)
     return _KERNELS[key]

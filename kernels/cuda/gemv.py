@@ -29,8 +29,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
-from .primitives import (LANES, SIM, block_reduce, inv_rms, lesser, square_add, warp_allsum,
-                         warp_allsums)
+from .primitives import (LANES, SIM, block_reduce, inv_rms, lesser, silu, square_add,
+                         warp_allsum, warp_allsums)
 
 R = 4          # rows a warp sums at once (act: two outputs' gate and up rows)
 DEPTH = 2      # tiles whose codes are loading while a warp computes one
@@ -355,7 +355,6 @@ def _q_gemv(x, norm_w, eps, res, codes, scale, offset, n_in, g, shift, act, y, p
     per = 64 // bits
     tiles = (n_in + LANES * per - 1) // (LANES * per)
     wid = tiles * LANES                      # int64s a row
-    rows = codes.shape[0] // wid - PAD_ROWS
     groups = (wid * per + g - 1) // g
     rows_rb = WARPS * R // 2 if gated else WARPS * R    # (gated: R / 2 outputs' gate and up)
     n_rb = (n_out + rows_rb - 1) // rows_rb
@@ -448,7 +447,7 @@ def _write(y, act, warp_row, acc, res):
         if o < y.shape[0]:
             gate = acc[2 * k]
             if act == 1:
-                gate = gate / (float32(1) + math.exp(lesser(-gate, float32(88))))
+                gate = silu(gate)
             else:
                 inner = float32(0.7978845608028654) * (gate + float32(0.044715) * gate * gate *
                                                        gate)

@@ -9,12 +9,9 @@ launchers' business.
 
 from __future__ import annotations
 
-import math
-
 from numba import cuda, float32
 
-from .primitives import (NORM_THREADS, THREADS, block_reduce, clip, inv_rms, lesser, rotate,
-                         square_add)
+from .primitives import NORM_THREADS, block_reduce, clip, inv_rms, rotate, silu, square_add
 
 
 @cuda.jit(cache=True)
@@ -58,7 +55,7 @@ def silu_mul(gu, y):
     if k < T * I:
         t, i = k // I, k % I
         g = gu[t, i]
-        y[t, i] = g / (float32(1) + math.exp(lesser(-g, float32(88)))) * gu[t, I + i]
+        y[t, i] = silu(g) * gu[t, I + i]
 
 
 @cuda.jit(cache=True)

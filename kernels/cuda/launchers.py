@@ -109,11 +109,17 @@ def gemv_grid(w, per_slab: int | None = None) -> tuple[int, int, int]:
     per_slab of them)."""
     tiles = gemv.width(w.bits, w.n_in, LANES) // LANES
     staged = LANES * gemv.stride(w.bits) * 8             # a tile's bytes in shared memory
-    slabs = min(tiles, -(-tiles * staged // STAGED_BYTES))
-    share = -(-tiles // slabs)
-    slabs = -(-tiles // share)
+    slabs, share = gemv_slabs(tiles, staged)
     per = per_slab or max(1, resident_blocks() // slabs)
     return per * slabs, slabs, share * staged
+
+
+def gemv_slabs(tiles: int, staged: int) -> tuple[int, int]:
+    """(slabs, tiles a slab) of a GEMV of `tiles` tiles of `staged` bytes each in shared
+    memory: as few slabs as STAGED_BYTES allows, of equal tiles but the last."""
+    slabs = min(tiles, -(-tiles * staged // STAGED_BYTES))
+    share = -(-tiles // slabs)
+    return -(-tiles // share), share
 
 
 def launch_gemv(x, w, y, sums: SplitSums, act: str | None = None, norm=None, res=None,

@@ -43,6 +43,13 @@ def greater(a, b):
     return a if a > b else b
 
 
+@cuda.jit(device=True, inline=True)
+def silu(g):
+    """g sigmoid(g), exp's argument held under 88 (float32's exp overflows past it: inf, and
+    g / inf is the 0 it tends to)."""
+    return g / (float32(1) + math.exp(lesser(-g, float32(88))))
+
+
 @cuda.jit(device=True)
 def clip(x, lo, hi):
     return lo if x < lo else hi if x > hi else x
