@@ -11,7 +11,8 @@ downloaded.
 
 For each model and context C (--contexts), tinyrt (`tinyrt.load(MODEL, device=..., kv_size=...)`,
 tinyrt.bench.timed_runs: the generation loop a reply runs) prefills C random token ids into an
-empty cache (prefill tok/s = C / that time, the last token's logits and its draw included), then
+empty cache (that time is the TTFT, the last token's logits and its draw included; prefill
+tok/s = C / TTFT), then
 decodes --decode-tokens greedy tokens after them (decode tok/s: on a GPU the decode steps run on
 the device, replayed as one CUDA graph, captured in the warm-up reply and restarted by each
 later one as a user's next reply is; --no-cuda-graph runs them eagerly); medians of --runs runs (one count, or one a context: 3,2),
@@ -295,6 +296,7 @@ def bench_tinyrt(name: str, path: Path, args, contexts: list[int]) -> tuple[dict
         kv = cache.bytes_per_token * (ctx + args.decode_tokens / 2)
         gb_s = (w_bytes + kv) / step / 1e9
         out["contexts"][ctx] = {"prefill_tok_s": ctx / statistics.median(ttft),
+                                "ttft_s": statistics.median(ttft),
                                 "decode_tok_s": 1 / step, "kv_mb_per_token": kv / 1e6,
                                 "gb_s": gb_s, "pct_copy_bw": 100 * gb_s / args.copy_gb_s,
                                 "runs": len(decode),
@@ -372,6 +374,7 @@ def bench_hf(name: str, shape: dict, args, contexts: list[int]) -> dict:
                 sync(args.device)
                 decode.append((time.perf_counter() - begin) / args.decode_tokens)
             out["contexts"][ctx] = {"prefill_tok_s": ctx / statistics.median(ttft),
+                                    "ttft_s": statistics.median(ttft),
                                     "decode_tok_s": 1 / statistics.median(decode),
                                     "runs": len(decode),
                                     "prefill_tok_s_runs": [ctx / x for x in ttft],
@@ -421,19 +424,23 @@ def table(name: str, m: dict, bw: float) -> str:
     def f(d, k, fmt=".1f", unit=""):
         return format(d[k], fmt) + unit if k in d else "-"
 
+    def ms(d):
+        return format(d["ttft_s"] * 1e3, ".0f") if "ttft_s" in d else "-"
+
     lines = [f"\n{name}: {m['source']}, {size(m['params'])} params; tinyrt reads "
              f"{size(t.get('weight_mb_per_token', 0) * 1e6 or None)}B of weights a token"]
     lines += [f"  {who}: {r.get('error') or 'skipped: ' + r['skipped']}"
               for who, r in (("tinyrt", t), ("transformers", hf)) if "error" in r or "skipped" in r]
     hf_col = f"hf {hf.get('dtype', 'float16')} tok/s"
     lines.append(f"  {'ctx':>5} {'tinyrt tok/s':>12} {hf_col:>17} {'ratio':>6} {'GB/s':>7} "
-                 f"{'% copy':>6} {'prefill tinyrt':>14} {'prefill hf':>10}")
+                 f"{'% copy':>6} {'prefill tinyrt':>14} {'prefill hf':>10} {'TTFT ms':>8} "
+                 f"{'hf ms':>6}")
     for ctx in m["contexts"]:
         a, b = t.get("contexts", {}).get(ctx, {}), hf.get("contexts", {}).get(ctx, {})
         lines.append(f"  {ctx:>5} {f(a, 'decode_tok_s'):>12} {f(b, 'decode_tok_s'):>17} "
                      f"{f(a, 'ratio_vs_transformers', '.2f', 'x'):>6} {f(a, 'gb_s'):>7} "
                      f"{f(a, 'pct_copy_bw', '.0f', '%'):>6} {f(a, 'prefill_tok_s', '.0f'):>14} "
-                     f"{f(b, 'prefill_tok_s', '.0f'):>10}")
+                     f"{f(b, 'prefill_tok_s', '.0f'):>10} {ms(a):>8} {ms(b):>6}")
     return "\n".join(lines)
 
 

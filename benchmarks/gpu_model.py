@@ -23,6 +23,11 @@ pin t0 and l2: rope_store 2.7, attention_combine 3.2, the step's begin 1.8 and t
 must stay within 35 % before the predictions for today's kernels mean anything. A step is its
 kernels, one graph gap (`GAP` us, an assumption until a GPU measures it) between launches, and
 the once-a-step kernels as the profile measured them.
+
+A prompt's pass (`prefill`) is a sum of its parts a layer: the tensor cores' GEMMs, the
+dequantization into their scratch, flash attention, the elementwise passes (bytes at the copy
+bandwidth), or the host's launches where those take longer; its efficiencies are assumptions
+(named below) until a GPU's profile of a pass (gpu_check's `prefill_at`) fits them.
 """
 
 from __future__ import annotations
@@ -340,6 +345,41 @@ def step(sass: Sass, m: Machine, lat: Latency, s: dict, ctx: int) -> dict:
             "pct_copy_bw": round(100 * (weights + kv) * tok_s / (m.copy_gb_s * 1e9), 1)}
 
 
+# -- a prompt's pass (kernels/cuda/prompt.py): assumptions until a GPU measures it -------------
+TC_TFLOPS = 989.0    # an H200's dense 16-bit tensor-core peak
+GEMM_EFF = 0.65      # cuBLAS's share of it at a prompt's shapes (M >= 512, N and K >= 4096)
+ATTN_EFF = 0.4       # flash attention's (causal, head dim 128), of the same peak
+COPY_EFF = 0.8       # an elementwise or dequantizing kernel's share of the copy bandwidth
+HOST_US = 12.0       # the host's time a launch (torch's ops ~8 us, Numba's ~25)
+PROMPT_LAUNCHES = 27  # a layer's launches in a pass (backend.linear, attention, the rest)
+# bytes a token a layer of the passes besides GEMMs and attention (read + written, float32
+# activations, 16-bit operands): coefficients of H, Q D, G D and I; from the ops a layer
+# runs (the norms, operand casts, RoPE, the K/V store, the queries' scale and cast, the output's
+# float32 copy, residual adds, SiLU-mul)
+ELEMENTWISE = dict(H=52, QD=42, GD=20, I=18)
+TRANSFORMERS_AF730B3 = {512: 14336.0, 4096: 31995.7}   # tok/s, float16, 7B shape, one H200
+
+
+def prefill(m: Machine, s: dict, T: int, pass_tokens: int = 4096) -> dict:
+    """A T-token prompt into an empty cache at shape s: each part's milliseconds, the TTFT
+    (the host's launches overlapping the GPU's work, a layer at a time), tok/s."""
+    H, I, Q, G, D, L = (s[k] for k in "HIQGDL")
+    params = H * (Q + 2 * G) * D + Q * D * H + 3 * H * I          # a layer's weights
+    passes = -(-T // pass_tokens)
+    bw = m.copy_gb_s * 1e9 * COPY_EFF
+    part = {"gemm": 2 * T * params / (TC_TFLOPS * 1e12 * GEMM_EFF),
+            "dequantize": passes * params * (0.5 + 1 / 32 + 2) / bw,
+            "attention": 4 * Q * D * T * T / 2 / (TC_TFLOPS * 1e12 * ATTN_EFF),
+            "elementwise": T * sum(ELEMENTWISE[k] * v for k, v in
+                                   (("H", H), ("QD", Q * D), ("GD", G * D), ("I", I))) / bw}
+    gpu = sum(part.values())                                        # a layer's, seconds
+    host = passes * PROMPT_LAUNCHES * HOST_US * 1e-6
+    ttft = L * max(gpu, host)
+    return {**{f"{k}_ms": round(1e3 * L * v, 2) for k, v in part.items()},
+            "host_ms": round(1e3 * L * host, 2), "ttft_ms": round(1e3 * ttft, 1),
+            "tok_s": round(T / ttft, 1)}
+
+
 def predictions(sass: Sass) -> dict:
     """The fit to af730b3's profile, and today's step on each machine, shape and context."""
     lat, err, err_all, got = fit()
@@ -351,6 +391,16 @@ def predictions(sass: Sass) -> dict:
     for key, m in MACHINES.items():
         out["machines"][key] = {name: {ctx: step(sass, m, lat, s, ctx) for ctx in (512, 4096)}
                                 for name, s in SHAPES.items()}
+    out["prefill"] = {name: {T: prefill(H200, s, T) for T in (512, 4096)}
+                      for name, s in SHAPES.items()}
+    out["prefill_ratio_vs_transformers_7b"] = {
+        T: round(out["prefill"]["7b"][T]["tok_s"] / hf, 2) for T, hf in TRANSFORMERS_AF730B3.items()}
+    # on an H200, by gpu.py's model names (gpu_summary sets them beside the measurements)
+    out["models"] = {name: {str(T): {**out["machines"]["h200"][shape][T],
+                                     "prefill_tok_s": out["prefill"][shape][T]["tok_s"],
+                                     "ttft_ms": out["prefill"][shape][T]["ttft_ms"]}
+                            for T in (512, 4096)}
+                     for name, shape in (("llama2-7b", "7b"), ("llama3-8b", "8b"))}
     qkv = gemv_launch(sass, H200, 3 * 4096, 4096, norm=True)
     out["q4_gemv_bytes_in_flight_per_sm"] = qkv.in_flight(H200)
     return out

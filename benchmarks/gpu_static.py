@@ -370,6 +370,10 @@ def report(archs: list[str]) -> dict:
                for shape in h200 for ctx in h200[shape]},
             **{f"predicted_tok_s_{shape}_{ctx}": h200[shape][ctx]["tok_s"]
                for shape in h200 for ctx in h200[shape]},
+            **{f"predicted_prefill_tok_s_{shape}_{T}": p["tok_s"]
+               for shape, per in model["prefill"].items() for T, p in per.items()},
+            **{f"predicted_ttft_ms_{shape}_{T}": p["ttft_ms"]
+               for shape, per in model["prefill"].items() for T, p in per.items()},
             "launches_per_token_per_layer_7b":
                 round((fixed + LAYERS_7B * per_layer) / LAYERS_7B, 3),
             "launches": {"per_layer": per_layer, "per_token_fixed": fixed,
@@ -390,6 +394,12 @@ def table(r: dict, listing: bool) -> str:
              f"{100 * m['fit_error_all']:.0f} % with the small ones)"]
     lines += [f"  af730b3 {k}: {v['predicted']} us predicted, {v['measured']} measured"
               for k, v in m["af730b3"].items()]
+    for shape, per in m["prefill"].items():
+        for T, p in per.items():
+            lines.append(f"  h200 {shape} prompt of {T}: {p['tok_s']:.0f} tok/s, TTFT "
+                         f"{p['ttft_ms']} ms (ms: " + ", ".join(
+                             f"{k[:-3]} {v}" for k, v in p.items() if k.endswith("_ms")
+                             and k != "ttft_ms") + ")")
     for machine, shapes in m["machines"].items():
         for shape, ctxs in shapes.items():
             for ctx, p in ctxs.items():

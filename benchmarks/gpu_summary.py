@@ -116,9 +116,9 @@ def models(r: dict) -> dict:
         for ctx in sorted({*t.get("contexts", {}), *hf.get("contexts", {})}, key=int):
             a, b = t.get("contexts", {}).get(ctx, {}), hf.get("contexts", {}).get(ctx, {})
             c = {k: a[k] for k in ("decode_tok_s", "pct_copy_bw", "gb_s", "prefill_tok_s",
-                                   "runs") if k in a}
-            c.update({f"transformers_{k}": b[k] for k in ("decode_tok_s", "prefill_tok_s", "runs")
-                      if k in b})
+                                   "ttft_s", "runs") if k in a}
+            c.update({f"transformers_{k}": b[k] for k in ("decode_tok_s", "prefill_tok_s",
+                                                           "ttft_s", "runs") if k in b})
             for k in ("decode", "prefill"):
                 if f"{k}_tok_s" in a and b.get(f"{k}_tok_s"):
                     c[f"{k}_ratio_vs_transformers"] = a[f"{k}_tok_s"] / b[f"{k}_tok_s"]
@@ -176,6 +176,11 @@ def check(d: Path, name: str, full_layers: int | None) -> tuple[dict, dict]:
     v = {k: r[k] for k in ("agree", "graph_equals_eager", "logits_rel_err", "tokens", "layers",
                            "prompt_tokens", "wall_s") if k in r}
     v["greedy"] = {how: verdict(g) for how, g in r.get("greedy", {}).items()}
+    # a prompt's pass on the check's layers, kernel by kernel (its 12 costliest)
+    v["prefill_profile"] = {ctx: {**{k: p[k] for k in ("tokens", "launches", "us", "wall_us",
+                                                       "error") if k in p},
+                                  "kernels": dict(list(p.get("kernels", {}).items())[:12])}
+                            for ctx, p in r.get("prefill_at", {}).items()}
     prof = {f"prompt_{how}": p for how, p in r.get("profile", {}).items()}
     prof.update(r.get("profile_at", {}))
     layers = r.get("layers", 0)
@@ -233,7 +238,11 @@ def predictions(static: dict | None, figures: dict, profiles: dict) -> dict:
         for ctx, p in ((c, p) for c, p in dicts(per_ctx) if isinstance(p, dict)):
             meas = figures.get(name, {}).get("contexts", {}).get(str(ctx), {})
             row = {key: {"predicted": p[key], "measured": meas.get(got)} for key, got in (
-                ("tok_s", "decode_tok_s"), ("pct_copy_bw", "pct_copy_bw")) if key in p}
+                ("tok_s", "decode_tok_s"), ("pct_copy_bw", "pct_copy_bw"),
+                ("prefill_tok_s", "prefill_tok_s")) if key in p}
+            if "ttft_ms" in p:
+                row["ttft_ms"] = {"predicted": p["ttft_ms"], "measured": meas.get("ttft_s") and
+                                  1e3 * meas["ttft_s"]}
             at = str(ctx) if str(ctx) in profiles.get(name, {}) else "prompt_graph"
             prof = profiles.get(name, {}).get(at, {})
             kernels = {}

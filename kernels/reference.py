@@ -139,6 +139,7 @@ class ReferenceBackend:
     name = "reference"
     host_memory = True       # its arrays (weights, KV cache) live in the machine's RAM
     quantized_kv = True      # whether it reads a kv_quant.QuantKV cache
+    pass_tokens = None       # the most tokens a forward pass takes (None: as the cache allows)
 
     def zeros(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         """A zeroed array whose pages are mapped as they are first written, 4 KiB at a time, so a
@@ -158,11 +159,12 @@ class ReferenceBackend:
             return np.ascontiguousarray(mats[0], dtype=np.float32)
         return np.concatenate([m.astype(np.float32) for m in mats], axis=0)
 
-    def prepare_head(self, table: np.ndarray, quantized: bool = False) -> np.ndarray:
-        """The LM head [V, H] (the embedding when tied). A 4-bit model runs its head as int8 rows
-        (`int8_rows`) on every backend: half the bytes of float16 per decoded token, at a
-        measured perplexity cost of well under 1 % (benchmarks/head_quality.py)."""
-        if not quantized:
+    def prepare_head(self, table, quantized: bool = False) -> np.ndarray:
+        """The LM head [V, H] (the embedding when tied), or a quant.QuantWeight head as stored.
+        A 4-bit model runs its float head as int8 rows (`int8_rows`) on every backend: half the
+        bytes of float16 per decoded token, at a measured perplexity cost of well under 1 %
+        (benchmarks/head_quality.py)."""
+        if not quantized or isinstance(table, quant.QuantWeight):
             return self.prepare_linear([table])
         q, s = int8_rows(table)
         return q.astype(np.float32) * s[:, None]

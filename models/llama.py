@@ -209,10 +209,7 @@ class LlamaModel:
         """The LM head on backend `be`: a quantized head as stored; a float head of a quantized
         model perhaps quantized by the backend (see its prepare_head). (A function of its own
         so that the source's copy is freed before the layers load.)"""
-        head = weights.head()
-        if isinstance(head, QuantWeight):
-            return be.prepare_linear([head])
-        return be.prepare_head(head, quantized=weights.quantized)
+        return be.prepare_head(weights.head(), quantized=weights.quantized)
 
     # -- the math of a layer --------------------------------------------------------------------
 
@@ -256,8 +253,9 @@ class LlamaModel:
         Returns logits [T, V] if `all_logits`, else [1, V] for the last token.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
-        out, step = [], cache.chunk
-        # more tokens than one pass may append go in chunks, the cache's policy applied between
+        out, step = [], min(cache.chunk, self.backend.pass_tokens or cache.chunk)
+        # more tokens than one pass may append (or the backend takes) go in chunks, the
+        # cache's policy applied between
         for c in range(0, max(len(tokens), 1), step):
             h = self.hidden_states(tokens[c:c + step], cache)
             if all_logits:

@@ -146,6 +146,22 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# docs/GPU.md's contract for a pass of several tokens on the CUDA backend: the logits' relative
+# error against the float32 reference, by the prompt GEMMs' operands (kernels/cuda/prompt.py)
+PROMPT_ERR = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 3e-3}
+
+
+def assert_logits_close(got: np.ndarray, want: np.ndarray, err: float) -> None:
+    """Logits [T, V] within relative error err of the reference's, and each row's greedy token
+    the reference's, but where the reference's top two are nearer than twice the row's largest
+    error (a tie that an error within the contract may decide either way)."""
+    assert rel_err(got, want) < err, rel_err(got, want)
+    for g, w in zip(np.atleast_2d(got), np.atleast_2d(want)):
+        if g.argmax() != w.argmax():
+            top = np.sort(w)[-2:]
+            assert top[1] - top[0] <= 2 * np.abs(g - w).max(), (top, np.abs(g - w).max())
+
+
 def status_kib(field: str) -> int:
     """A memory figure of this process from /proc/self/status ("VmRSS", "RssFile", "VmSize"), KiB."""
     with open("/proc/self/status") as f:

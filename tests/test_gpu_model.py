@@ -71,3 +71,22 @@ def test_predictions_cover_every_machine_shape_and_context(gpu_shapes):
                 assert s["tok_s"] == pytest.approx(1e6 / s["step_us"], rel=1e-2)
             assert long["step_us"] > short["step_us"]
     assert p["q4_gemv_bytes_in_flight_per_sm"] > 0
+
+
+def test_the_prefill_model_adds_up_and_names_gpu_py_s_models(gpu_shapes):
+    """A prompt's predicted TTFT is its layers' GEMM, dequantization, attention and elementwise
+    milliseconds (or the host's launches, where longer); a 4,096-token prompt takes longer than
+    a 512-token one but runs more tokens a second (the GEMMs' share grows); the H200's figures
+    go to gpu_summary under gpu.py's model names, decode's and prefill's side by side."""
+    p = gpu_model.predictions(SASS)
+    for shape in ("7b", "8b"):
+        short, long = (p["prefill"][shape][T] for T in (512, 4096))
+        for f in (short, long):
+            parts = sum(v for k, v in f.items() if k.endswith("_ms") and k not in
+                        ("ttft_ms", "host_ms"))
+            assert f["ttft_ms"] == pytest.approx(max(parts, f["host_ms"]), rel=1e-2)
+        assert long["ttft_ms"] > short["ttft_ms"] and long["tok_s"] > short["tok_s"]
+    assert set(p["prefill_ratio_vs_transformers_7b"]) == {512, 4096}
+    row = p["models"]["llama2-7b"]["4096"]
+    assert row["ttft_ms"] == p["prefill"]["7b"][4096]["ttft_ms"]
+    assert row["tok_s"] == p["machines"]["h200"]["7b"][4096]["tok_s"]

@@ -115,9 +115,11 @@ class CpuBackend(reference.ReferenceBackend):
             return repack(parts)
         return super().prepare_linear(parts)
 
-    def prepare_head(self, table: np.ndarray, quantized: bool = False):
+    def prepare_head(self, table, quantized: bool = False):
         # the same int8 rows as the reference (see ReferenceBackend.prepare_head), read as int8
-        return quantize_int8_rows(table) if quantized else self.prepare_linear([table])
+        if not quantized or isinstance(table, quant.QuantWeight):
+            return self.prepare_linear([table])
+        return quantize_int8_rows(table)
 
     def prepare_embedding(self, table: np.ndarray) -> np.ndarray:
         return table          # looked up a few rows at a time: stays as stored (mmap, f16 or f32)

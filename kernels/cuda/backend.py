@@ -10,10 +10,13 @@ from numba import cuda
 from .. import kv_quant, quant, reference
 from .gemv import GpuQuant, chunk, repack, repack_f16
 from .launchers import (attention_counts, fits, launch_attention, launch_attention_decode_q,
-                        launch_dequantize, launch_dequantize_kv, launch_gemv, launch_rmsnorm,
-                        launch_rope, launch_rope_store, launch_silu_mul, launch_store_kv,
-                        launch_store_kv_q, split_sums, sums_needed)
-from .primitives import LANES, SIM
+                        launch_dequantize_kv, launch_gemv, launch_rmsnorm, launch_rope,
+                        launch_rope_store, launch_silu_mul, launch_store_kv, launch_store_kv_q,
+                        split_sums, sums_needed)
+from .primitives import HALF_MAX, LANES, SIM
+from .prompt import PASS_TOKENS, PromptOps
+
+PINNED_MAX = 4 << 20     # host arrays up to this size go up through pinned memory (see dev)
 
 
 class CudaBackend(reference.ReferenceBackend):
@@ -24,13 +27,17 @@ class CudaBackend(reference.ReferenceBackend):
     Weights are uploaded once, at load: quantized layers as kernels.quant holds them, float
     weights as float16.
     Host inputs (positions, RoPE tables, the sinks' keys) are copied up where an op takes them.
+    One token's ops are this package's kernels; a pass of more (a prompt) multiplies on the
+    tensor cores and attends through torch's fused attention (prompt.PromptOps: `prompt_dtype`
+    its GEMMs' operands, None: as the GPU allows), at most `pass_tokens` tokens a pass.
     """
 
     name = "cuda"
     host_memory = False
     quantized_kv = True      # float16, float32 and kv_quant caches
+    pass_tokens = PASS_TOKENS
 
-    def __init__(self, cuda_graph: bool = True):
+    def __init__(self, cuda_graph: bool = True, prompt_dtype=None):
         import torch
 
         self.cuda_graph = cuda_graph     # decode steps replayed as a CUDA graph (tinyrt.device_decode)
@@ -43,17 +50,23 @@ class CudaBackend(reference.ReferenceBackend):
                        np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                        np.dtype(np.uint8): torch.uint8}
         self._sums = None        # the split-K GEMVs' scratch (launchers.SplitSums), at load
-        self._counts = {}        # queries 1 or more (0) -> attention's counts (int32 zeros)
+        self._counts = None      # a decode step's attention's counts (int32 zeros)
+        self.prompt = PromptOps(torch, self.device, lambda a: self.dev(a, np.int64),
+                                prompt_dtype)
 
     # -- memory ----------------------------------------------------------------------------------
 
     def dev(self, a, dtype=np.float32):
         """A contiguous device tensor of `a` (host array or tensor) as `dtype`; a host array is
-        copied."""
-        t = self._types[np.dtype(dtype)]
-        if isinstance(a, self.torch.Tensor):
+        copied: a small one through pinned memory, so that the copy queues behind the GPU's
+        work instead of waiting for it (torch waits out a copy from pageable memory)."""
+        t, torch = self._types[np.dtype(dtype)], self.torch
+        if isinstance(a, torch.Tensor):
             return a.to(device=self.device, dtype=t).contiguous()
-        return self.torch.tensor(np.ascontiguousarray(a, dtype), device=self.device)
+        a = np.ascontiguousarray(a, dtype)
+        if SIM or a.nbytes > PINNED_MAX or torch.cuda.is_current_stream_capturing():
+            return torch.tensor(a, device=self.device)
+        return torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True)
 
     def empty(self, shape, dtype=np.float32):
         return self.torch.empty(shape, dtype=self._types[np.dtype(dtype)], device=self.device)
@@ -67,16 +80,17 @@ class CudaBackend(reference.ReferenceBackend):
             return x
         return x.detach().to("cpu", copy=True).numpy()
 
-    def _matmul(self, x, w_t):
-        """x [T, in] @ w_t [in, out] on the device (cuBLAS through torch), in float32: a
-        float16 GEMM overflows where activations pass 65504 (random-weight models do)."""
-        return x @ w_t.float()
-
     # -- weights ---------------------------------------------------------------------------------
 
     def prepare_linear(self, parts: list):
         """Quantized layers as one float scale and offset per group and 4- or 8-bit codes,
-        float ones as float16 weights: either way the GEMV's layout (gemv.repack)."""
+        float ones as float16 weights: either way the GEMV's layout (gemv.repack). A prompt's
+        scratch takes the largest of them."""
+        w = self._prepare(parts)
+        self.pass_tokens = self.prompt.fit(w)
+        return w
+
+    def _prepare(self, parts: list):
         if all(isinstance(p, quant.QuantWeight) for p in parts):
             w = quant.concat(parts)
             w = quant.flat(w, 4 if w.bits == 4 else 8)
@@ -96,20 +110,21 @@ class CudaBackend(reference.ReferenceBackend):
             self._sums = split_sums(self.zeros, rows, tiles)
         return w
 
-    def prepare_head(self, table: np.ndarray, quantized: bool = False):
+    def prepare_head(self, table, quantized: bool = False):
         """A 4-bit model's float head as the reference's int8 rows (reference.prepare_head),
         held as 8-bit codes c + 128 with the row's scale s and offset -128 s: half the bytes of
-        float16 for the same products; a float model's as float16."""
-        if not quantized:
-            return self.prepare_linear([table])
+        float16 for the same products; a float model's as float16, a quantized one as stored.
+        (Not the prompt's scratch's size: a prompt's logits take the head a block at a time.)"""
+        if not quantized or isinstance(table, quant.QuantWeight):
+            return self._prepare([table])
         q, s = reference.int8_rows(table)
         n_in = table.shape[1]
         g = chunk(8)                 # groups of the most chunks dividing a row, a power of two
         while n_in % (2 * g) == 0:   # of them (the GEMV's fast path); each the row's scale
             g *= 2
         s = np.repeat(s[:, None], n_in // g, axis=1)
-        return self.prepare_linear([quant.make((q.astype(np.int16) + 128).astype(np.uint8), 8,
-                                                s, -128 * s)])
+        return self._prepare([quant.make((q.astype(np.int16) + 128).astype(np.uint8), 8,
+                                         s, -128 * s)])
 
     def prepare_vector(self, a: np.ndarray):
         return self.dev(a)
@@ -132,9 +147,7 @@ class CudaBackend(reference.ReferenceBackend):
             y = self.empty((1, w.shape[0]))
             launch_gemv(x[0], w, y[0], self._sums)
             return y
-        w_t = self.empty((w.shape[1], w.shape[0]))
-        launch_dequantize(w, w_t)
-        return self._matmul(x, w_t)
+        return self.prompt.linear(x, w)
 
     def gated(self, h, w, gelu: bool):
         if h.shape[0] == 1:                     # a decode step: one launch
@@ -181,8 +194,16 @@ class CudaBackend(reference.ReferenceBackend):
                           none if k_norm is None else k_norm, eps, cos, sin, k_buf, v_buf, slots, q)
         return q
 
+    def _strided(self, x):
+        """A float32 device tensor as it is (a kernel reads any strides: a prompt's q, k and v,
+        slices of its q|k|v projection, are not copied first), else dev(x)."""
+        t = self.torch
+        if isinstance(x, t.Tensor) and x.dtype == t.float32 and x.device.type == self.device:
+            return x
+        return self.dev(x)
+
     def rope(self, x, cos, sin):
-        x = self.dev(x)
+        x = self._strided(x)
         y = self.empty(x.shape)
         launch_rope(x, self.dev(cos), self.dev(sin), y)
         return y
@@ -200,11 +221,11 @@ class CudaBackend(reference.ReferenceBackend):
         return y
 
     def store_kv(self, k_buf, v_buf, slots, k, v):
-        slots, k, v = self.dev(slots, np.int64), self.dev(k), self.dev(v)
+        slots = self.dev(slots, np.int64)
         if isinstance(k_buf, kv_quant.QuantKV):
-            launch_store_kv_q(k_buf, slots, k, v)
+            launch_store_kv_q(k_buf, slots, self.dev(k), self.dev(v))
         else:
-            launch_store_kv(k_buf, v_buf, slots, k, v)
+            launch_store_kv(k_buf, v_buf, slots, self._strided(k), self._strided(v))
 
     def _dequantized(self, store: kv_quant.QuantKV, n: int):
         """Slots [0, n) of a quantized cache as float32 device arrays k, v [N, n, D]."""
@@ -218,45 +239,51 @@ class CudaBackend(reference.ReferenceBackend):
             return tuple(self.to_numpy(a) for a in self._dequantized(k_buf, n))
         return super().read_kv(k_buf, v_buf, n)
 
+    def rope_tables(self, inv_freq, positions):
+        """reference.rope_tables, on the device (once a pass, not once an op)."""
+        return tuple(self.dev(a) for a in reference.rope_tables(inv_freq, positions))
+
     def attention(self, q, k, v, q_pos, k_pos, scale, window=None, score=None, live=None):
-        """Flash-decoding over a float cache, a prompt's queries in one launch set (their own
-        and later tokens' slots hidden by the causal mask); the positions uploaded once, k_pos
-        with its own first dim (one table for all heads, or one per head); live: the slots of
-        k_pos read, the first live[0] (int64 [1] on the device; None: all). A quantized cache (k
-        a QuantKV) is read in place for one query; for a prompt's, its slots are dequantized
-        once into float32 buffers that the float kernels read."""
+        """One query: flash-decoding over the cache in one launch set (a quantized cache, k a
+        QuantKV, read in place); the positions uploaded once, k_pos with its own first dim (one
+        table for all heads, or one per head); live: the slots of k_pos read, the first live[0]
+        (int64 [1] on the device, which a captured step reads afresh; None: all). More queries
+        (a prompt's, q_pos and k_pos on the host): prompt.PromptOps.attention, a quantized
+        cache's slots dequantized into float16 first (float32 where the prompt's GEMMs are)."""
         q = self.dev(q)
         T, Q, D = q.shape
         quantized = isinstance(k, kv_quant.QuantKV)
         G, S = (k.where if quantized else k).shape[0], k_pos.shape[-1]
-        k_pos = self.dev(k_pos, np.int64).reshape(-1, S)
-        sc = self.empty((G, 0)) if score is None else self.dev(score)
-        out = self.empty((T, Q, D))
-        if quantized and T == 1:
-            launch_attention_decode_q(q[0], k, int(q_pos[0]), k_pos.expand(G, S).contiguous(),
-                                      scale, window or 0, sc, self.empty((Q, S)), out[0])
-        else:
-            if quantized:
+        sc = None if score is None else self.dev(score)
+        if T > 1:
+            if quantized and self.prompt.dtype != self.torch.float32:     # (the fallback's:
+                k, v = (a.clamp_(-HALF_MAX, HALF_MAX).half() for a in self._dequantized(k, S))
+            elif quantized:                                               # float32 throughout)
                 k, v = self._dequantized(k, S)
-            if live is None:
-                live = self.dev(np.array([S]), np.int64)
-            launch_attention(q, k, v, self.dev(q_pos, np.int64), k_pos, live, scale, window or 0,
-                             sc, out, self.empty, self._attention_counts(q, k))
+            k_pos = np.broadcast_to(self.to_numpy(k_pos), (G, S))
+            out = self.prompt.attention(q, k, v, self.to_numpy(q_pos), k_pos, scale, window, sc)
+        else:
+            k_pos = self.dev(k_pos, np.int64).reshape(-1, S)
+            sc = self.empty((G, 0)) if sc is None else sc
+            out = self.empty((T, Q, D))
+            if quantized:
+                launch_attention_decode_q(q[0], k, int(q_pos[0]), k_pos.expand(G, S).contiguous(),
+                                          scale, window or 0, sc, self.empty((Q, S)), out[0])
+            else:
+                if live is None:
+                    live = self.dev(np.array([S]), np.int64)
+                launch_attention(q, k, v, self.dev(q_pos, np.int64), k_pos, live, scale,
+                                 window or 0, sc, out, self.empty, self._attention_counts(q, k))
         if score is not None and sc is not score:
             score[...] = self.to_numpy(sc)          # a cache that keeps its scores on the host
         return out
 
     def _attention_counts(self, q, k):
-        """launch_attention's counts (zeros, which its kernels leave zeros): one query's apart
-        from a prompt's, so that a captured decode step's stay the ones it read while prompts
-        of any length come and go (theirs are made again only larger); one query's made at
-        the first attention, a prompt's, before any decode step."""
-        if 1 not in self._counts:
-            self._counts[1] = self.zeros(attention_counts(q[:1], k), np.int32)
-        n = attention_counts(q, k)
-        if q.shape[0] > 1 and (0 not in self._counts or self._counts[0].shape[0] < n):
-            self._counts[0] = self.zeros(n, np.int32)
-        return self._counts[int(q.shape[0] == 1)]
+        """launch_attention's counts for one query (zeros, which its kernels leave zeros), made
+        at the first decode step's attention, before any graph captures it."""
+        if self._counts is None:
+            self._counts = self.zeros(attention_counts(q, k), np.int32)
+        return self._counts
 
 
 def unavailable() -> str | None:

@@ -52,17 +52,19 @@ if SIM:
         # and this one is called for every code)
         return np.int32(i).view(np.float32)
 
+    def _as_int(x):
+        return np.float32(x).view(np.int32)
+
     def _pack(a, b):
         return np.array([a, b], np.float32).view(np.int64)[0]
 else:
     from numba.cuda import libdevice
 
-    _as_float = libdevice.int_as_float
+    _as_float, _as_int = libdevice.int_as_float, libdevice.float_as_int
 
     @cuda.jit(device=True, inline=True)
     def _pack(a, b):
-        return (int64(libdevice.float_as_int(a)) & 0xFFFFFFFF) | \
-            (int64(libdevice.float_as_int(b)) << 32)
+        return (int64(_as_int(a)) & 0xFFFFFFFF) | (int64(_as_int(b)) << 32)
 
 
 @cuda.jit(device=True, inline=True)
@@ -494,28 +496,43 @@ def named(name: str):
     return next(k for k in KERNELS.values() if k.py_func.__name__ == name)
 
 
+@cuda.jit(device=True, inline=True)
+def _bf16_bits(x):
+    """The bfloat16 nearest x (ties to even) as its 16 bits, in an int16's range (NaN aside)."""
+    u = int64(_as_int(x)) & 0xFFFFFFFF
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u - ((u >> 15) << 16)
+
+
 @cuda.jit(cache=True)
-def q_dequantize(codes, scale, offset, bits, n_in, g, dst):
-    """dst [n_in, out] (float16 or float32) = W.T of a GpuQuant, for a prompt's matmul: one
-    thread per int64 of codes (its inputs of one output), neighbouring threads at neighbouring
-    outputs (their writes to a row of dst coalesce)."""
+def q_dequantize(codes, scale, offset, bits, n_in, g, width, r0, bf16, dst):
+    """dst [rows, n_in] = rows [r0, r0 + rows) of a GpuQuant's W (codes, scale, offset, bits,
+    n_in, group g; `width` int64s a row), for a prompt's GEMM: float16 or float32 values, or
+    (bf16 1) bfloat16's bits in an int16 array. One thread per int64 of codes that holds
+    inputs (its `per` inputs of one row), neighbouring threads at a row's neighbouring int64s:
+    their loads of the codes and their stores coalesce."""
     n = cuda.grid(1)
-    out = dst.shape[1]
+    rows = dst.shape[0]
     per = 64 // bits
-    chunks = codes.shape[0] // (out + PAD_ROWS)
-    groups = (chunks * per + g - 1) // g
-    if n < out * chunks:
-        o, c = n % out, n // out
-        v = codes[o * chunks + c]
+    used = (n_in + per - 1) // per          # (int64s of a row past these are padding)
+    groups = (width * per + g - 1) // g
+    if n < rows * used:
+        r, c = n // used, n % used
+        o = r0 + r
+        v = codes[o * width + c]
         for t in range(per):
             i = c * per + t
             if i < n_in:
                 if bits == 16:
-                    dst[i, o] = _code(v, t, 16) * _pow2(112)
+                    x = _code(v, t, 16) * _pow2(112)
                 else:
-                    q = float32((v >> (bits * t)) & ((1 << bits) - 1))
                     gi = o * groups + i // g
-                    dst[i, o] = q * float32(scale[gi]) + float32(offset[gi])
+                    x = float32((v >> (bits * t)) & ((1 << bits) - 1)) * float32(scale[gi]) \
+                        + float32(offset[gi])
+                if bf16:
+                    dst[r, i] = _bf16_bits(x)
+                else:
+                    dst[r, i] = x
 
 
 # repack's rows of zeros past the last of the GEMV's arrays (PAD_ROWS): a warp's loads run

@@ -30,14 +30,22 @@ def _size(a) -> int:
 _streams: dict = {}
 
 
+def _host(a):
+    """A launch's argument in the simulator: a torch tensor as a NumPy view of its memory (the
+    kernel's writes land in it); one of other strides (an input: a GPU's kernel reads any, the
+    simulator only contiguous arrays) as a contiguous copy."""
+    if not hasattr(a, "numpy") or isinstance(a, np.ndarray):
+        return a
+    return np.ascontiguousarray(a.numpy())
+
+
 def launch(kernel, grid, block, *args, shared: int = 0) -> None:
     """Every launch, on torch's current stream: the GPU runs the kernels in torch's order, and
     a CUDA graph that torch captures sees them; `shared`: bytes of dynamic shared memory. Numba's
     CUDA simulator has no streams and takes NumPy arrays: there a torch tensor goes in as a
     NumPy view of its memory (the kernel's writes land in it), and the rest is the same code."""
     if SIM:
-        kernel[grid, block, 0, shared](*(a.numpy() if hasattr(a, "numpy") and
-                                         not isinstance(a, np.ndarray) else a for a in args))
+        kernel[grid, block, 0, shared](*(_host(a) for a in args))
         return
     import torch
 
@@ -248,8 +256,11 @@ def launch_attention_decode_q(q, store: kv_quant.QuantKV, q_pos: int, k_pos, sca
             np.float32(scale), window, score, probs, out)
 
 
-def launch_dequantize(w, dst) -> None:
-    """dst [n_in, out] = W.T of a GpuQuant, for a prompt's matmul."""
+def launch_dequantize(w, dst, r0: int = 0) -> None:
+    """dst [rows, n_in] = rows [r0, r0 + rows) of a GpuQuant's W, for a prompt's GEMM: a float16
+    or float32 array, or an int16 one that gets bfloat16's bits."""
     _lanes(w)
-    launch(q_dequantize, blocks(w.codes.shape[0], THREADS), THREADS, w.codes, w.scale, w.offset,
-           w.bits, w.n_in, w.group, dst)
+    rows, per = dst.shape[0], gemv.chunk(w.bits)
+    bf16 = int(str(dst.dtype).endswith("int16"))       # (a torch tensor's or a NumPy array's)
+    launch(q_dequantize, blocks(rows * -(-w.n_in // per), THREADS), THREADS, w.codes, w.scale,
+           w.offset, w.bits, w.n_in, w.group, gemv.width(w.bits, w.n_in, w.lanes), r0, bf16, dst)
