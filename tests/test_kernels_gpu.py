@@ -146,7 +146,7 @@ def attend(q, k, v, q_pos, k_pos, window, score, chunk=None, live=None):
     the next launch: a graph replays them)."""
     out = np.empty(q.shape, np.float32)
     live = np.array([k_pos.shape[1] if live is None else live])
-    counts = np.zeros(launchers.attention_counts(q, k), np.int32)
+    counts = np.zeros(launchers.attention_counts(q, k.shape[0]), np.int32)
     got = run(lambda *a: launchers.launch_attention(
         *a[:6], 0.25, window, *a[6:8], lambda shape: cuda.device_array(shape, np.float32), a[8],
         chunk), q, k, v, q_pos, k_pos, live, score, out, counts)

@@ -255,6 +255,7 @@ class CudaBackend(reference.ReferenceBackend):
         quantized = isinstance(k, kv_quant.QuantKV)
         G, S = (k.where if quantized else k).shape[0], k_pos.shape[-1]
         sc = None if score is None else self.dev(score)
+        counts = self._attention_counts(q[:1], G)
         if T > 1:
             if quantized and self.prompt.dtype != self.torch.float32:     # (the fallback's:
                 k, v = (a.clamp_(-HALF_MAX, HALF_MAX).half() for a in self._dequantized(k, S))
@@ -273,16 +274,17 @@ class CudaBackend(reference.ReferenceBackend):
                 if live is None:
                     live = self.dev(np.array([S]), np.int64)
                 launch_attention(q, k, v, self.dev(q_pos, np.int64), k_pos, live, scale,
-                                 window or 0, sc, out, self.empty, self._attention_counts(q, k))
+                                 window or 0, sc, out, self.empty, counts)
         if score is not None and sc is not score:
             score[...] = self.to_numpy(sc)          # a cache that keeps its scores on the host
         return out
 
-    def _attention_counts(self, q, k):
-        """launch_attention's counts for one query (zeros, which its kernels leave zeros), made
-        at the first decode step's attention, before any graph captures it."""
+    def _attention_counts(self, q, G: int):
+        """launch_attention's counts for one query q [1, Q, D] over G KV heads (zeros, which its
+        kernels leave zeros), made at the first attention (a prompt's): so before any decode
+        step, whose every tensor a captured graph must find where it was."""
         if self._counts is None:
-            self._counts = self.zeros(attention_counts(q, k), np.int32)
+            self._counts = self.zeros(attention_counts(q, G), np.int32)
         return self._counts
 
 

@@ -199,9 +199,9 @@ def attention_splits(heads: int, T: int, rq: int, D: int) -> int:
     return max(1, min(attention.SPLIT_MAX, fill // (heads * T)))
 
 
-def attention_counts(q, k) -> int:
-    """The int32 counts launch_attention needs (for a launch set of q's queries)."""
-    G, (T, Q, D) = k.shape[0], q.shape
+def attention_counts(q, G: int) -> int:
+    """The int32 counts launch_attention needs (for a launch set of q's queries, G KV heads)."""
+    T, Q, D = q.shape
     return min(T, 65535) * G * attention.head_blocks(Q // G, attention.kernel_for(Q // G, D)[1])
 
 
@@ -213,7 +213,7 @@ def launch_attention(q, k, v, q_pos, k_pos, live, scale: float, window: int, sco
     graph's replays read afresh); window 0: none; score [G, C] (H2O; [G, 0]: none) gets each
     slot's weights added. empty(shape) allocates float32 scratch on the device: the splits'
     partials, and (H2O) the scores [T, Q, S], for queries in batches whose scores stay under
-    SCORES_MAX floats (a long prompt). counts: int32 zeros, attention_counts(q, k) of them, left
+    SCORES_MAX floats (a long prompt). counts: int32 zeros, attention_counts(q, G) of them, left
     zeros. chunk: the slots a split takes (default: the kernel cuts the live slots into
     attention_splits' splits)."""
     T, Q, D = q.shape

@@ -32,12 +32,14 @@ X16_TOP = 2.0 ** 14        # float16 operands are scaled under this (products' s
 
 
 def _out_f32(torch, device: str, dtype) -> bool:
-    """Whether torch multiplies `dtype` matrices into a float32 product on `device`."""
+    """Whether torch multiplies `dtype` matrices into a float32 product on `device`, as
+    PromptOps.mm calls it (the second operand transposed; batches too)."""
     if device == "cpu":
         return False
     try:
-        a = torch.zeros((8, 8), dtype=dtype, device=device)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        a = torch.zeros((2, 8, 16), dtype=dtype, device=device)
+        return torch.mm(a[0], a[1].t(), out_dtype=torch.float32).dtype == torch.float32 and \
+            torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
     except (TypeError, RuntimeError):
         return False
 
