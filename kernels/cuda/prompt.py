@@ -164,14 +164,15 @@ class PromptOps:
         if T <= S and rows[0] >= 0 and np.array_equal(rows, np.arange(rows[0], rows[0] + S)) \
                 and np.array_equal(q_pos, rows[S - T:]) and (not window or S <= window):
             return causal_lower_right(T, S)
-        seen = self._seen(self.up(rows), q_pos, window)
+        seen = self._seen(self.up(rows), self.up(q_pos)[:, None], window)
         # (rows of a multiple of 8 elements: the memory-efficient kernel's alignment)
         mask = t.full((T, -(-S // 8) * 8), -float("inf"), dtype=dtype, device=self.device)[:, :S]
         return mask.masked_fill_(seen, 0)
 
-    def _seen(self, k_pos, q_pos: np.ndarray, window: int | None):
-        """Whether query t sees slot s: [..., T, S] bool of k_pos [..., 1, S] on the device."""
-        qp = self.up(q_pos)[:, None]
+    @staticmethod
+    def _seen(k_pos, qp, window: int | None):
+        """Whether query t sees slot s: [..., T, S] bool of k_pos [..., 1, S] and the queries'
+        positions qp [T, 1], on the device."""
         seen = (k_pos >= 0) & (k_pos <= qp)
         return seen & (qp - k_pos < window) if window else seen
 
@@ -184,7 +185,7 @@ class PromptOps:
         Q, T, D = q.shape
         G, S = k.shape[0], k.shape[1]
         R = Q // G
-        kp = self.up(k_pos)[:, None, None]
+        kp, qp = self.up(k_pos)[:, None, None], self.up(q_pos)[:, None]
         kt = k.transpose(1, 2)
         out = t.empty((Q, T, D), device=self.device)
         n = max(1, SCORES_BYTES // (4 * Q * S))
@@ -192,7 +193,7 @@ class PromptOps:
             b = min(T, a + n)
             qb = q[:, a:b].reshape(G, R * (b - a), D)
             w = self.mm(qb, kt).view(G, R, b - a, S)
-            w.masked_fill_(~self._seen(kp, q_pos[a:b], window), -float("inf"))
+            w.masked_fill_(~self._seen(kp, qp[a:b], window), -float("inf"))
             w = t.softmax(w, dim=-1)
             if score is not None:
                 score[:, :S] += w.sum(dim=(1, 2))
