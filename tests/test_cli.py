@@ -296,6 +296,25 @@ def test_edge_values_that_mean_something_run(tiny_dir, tmp_path):
 GREEDY = ("-n", "4", "--ignore-eos", "--temperature", "0")
 
 
+@pytest.mark.parametrize("args, model, prompt", [
+    (["run", "M", "--", "-hi"], "M", "-hi"),
+    (["run", "M", "--temperature", "0", "--", "-hi"], "M", "-hi"),    # options before "--"
+    (["run", "--temperature", "0", "M", "--", "-hi there"], "M", "-hi there"),
+    (["generate", "-n", "5", "--", "-hi"], None, "-hi"),
+    (["generate", "M", "--", "--json"], "M", "--json"),                # an option's spelling
+    (["run", "-m", "M", "--", "-hi"], "M", "-hi"),
+])
+def test_everything_after_a_double_dash_is_positional(args, model, prompt):
+    """POSIX's `--`: a PROMPT that starts with a dash, after options or not (parsed here as
+    the command parses it, without a model)."""
+    from tinyrt.cli import build_parser, generate
+
+    parsed = build_parser().parse_args(args)
+    generate.place_prompt(parsed, lone="model" if args[0] == "run" else "prompt")
+    assert (parsed.model or parsed.model_pos, parsed.prompt) == (model, prompt)
+    assert build_parser().parse_args(["rm", "-y", "--", "-x", "--all"]).names == ["-x", "--all"]
+
+
 def test_run_answers_a_prompt_as_generate_and_chats_without_one(tiny_dir):
     """`run MODEL PROMPT` (or -m, -p) is generate's reply; `run MODEL` is the chat (here piped:
     one turn per line, the same replies and notes as `chat`'s); options of either are taken."""

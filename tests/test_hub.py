@@ -331,3 +331,38 @@ def test_a_damaged_hf_entry_is_one_row_of_the_list(caches):
         assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) <= 1, p.stderr
     p = run_tinyrt("rm", caches.known.name, "-y", env=caches.env)
     assert p.returncode == 0 and not caches.ours.exists(), p.stderr
+
+
+def test_rm_leaves_a_running_fetch_alone(caches):
+    """`rm --all -y` while a fetch runs (its folder's mark locked, as `pull` holds it) removes
+    the rest and leaves the live folder whole; `list` tells it from a killed one's. Once the
+    fetch ends its folder goes with it."""
+    files = ["model.gguf.part", "pip.log"]
+    with model_cache.fetch_folder(caches.gguf, files, ["work"]) as live:
+        (live / "model.gguf.part").write_bytes(bytes(100))
+        (live / "work").mkdir()
+        p = run_tinyrt("list", env=caches.env)
+        assert "a fetch running now" in p.stdout and "an interrupted fetch" in p.stdout, p.stdout
+        p = run_tinyrt("rm", live.name, "-y", env=caches.env)
+        assert p.returncode == 1 and "running now" in p.stderr, p.stderr
+        p = run_tinyrt("rm", "--all", "-y", env=caches.env)
+        assert p.returncode == 0 and "running now" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+        assert (live / "model.gguf.part").exists() and (live / "work").is_dir()
+        assert not (caches.gguf / ".fetch-abc").exists() and not caches.ours.exists()
+    assert not live.exists()
+    assert sorted(p.name for p in caches.gguf.iterdir()) == ["mine.gguf"]
+
+
+def test_removal_is_idempotent(caches):
+    """A fetch folder removed twice (two `rm --all -y` at once), or one whose mark lists
+    itself: the second removal finds it gone, which is no error."""
+    selfish = caches.gguf / ".fetch-self"
+    selfish.mkdir()
+    model_cache.mark_fetch(selfish, [model_cache.FETCH_MARK, "partial"], []).close()
+    (selfish / "partial").write_bytes(b"x")
+    entries = {m.name: m for m in model_cache.tinyrt_cached()}
+    for name in (".fetch-abc", ".fetch-self", caches.known.name):
+        model_cache.remove_cached(entries[name])
+        model_cache.remove_cached(entries[name])
+    assert sorted(p.name for p in caches.gguf.iterdir()) == ["mine.gguf"]

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from tinyrt.errors import ModelFormatError, TinyrtError, shown
+from tinyrt.errors import ModelFormatError, TinyrtError, printable, shown
 
 from .chat_template import template_from_config
 from .generate import DecoderHolder, Generation, Response
@@ -93,7 +93,7 @@ def model_sampling(directory: Path, weights, generation_config: dict | None = No
             try:
                 value = check_value(ours, g.get(theirs), theirs)
             except SettingError as e:
-                print(f"warning: {where}: {e}; using the default", file=sys.stderr)
+                print(printable(f"warning: {where}: {e}; using the default"), file=sys.stderr)
                 continue
             if value is not None:
                 d[ours] = value, source

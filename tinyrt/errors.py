@@ -6,6 +6,8 @@ front ends) can raise it without an arrow pointing back up. Front ends print `st
 and exit non-zero; any other exception is a bug.
 """
 
+import re
+
 
 class TinyrtError(Exception):
     """Something the user can fix: a bad file, a wrong option, a prompt too long for the cache."""
@@ -37,6 +39,21 @@ def shown(value, limit: int = 40) -> str:
         return f"{'a negative' if value < 0 else 'an'} integer of about {digits:,} digits"
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# C0 controls but tab and newline, DEL, C1 controls (0x9b is CSI to some terminals)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """`text` as it may be written to a terminal or a pipe: control characters other than
+    newline and tab as visible escapes (`\\x1b`), so that text from a model or a file cannot
+    retitle, clear or recolour the user's terminal; lone surrogates (undecodable bytes of a
+    file name, surrogate-escaped) as U+FFFD, which every encoder takes. The one filter of what
+    tinyrt writes from a model or a file to a terminal, a pipe or an HTTP header."""
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:

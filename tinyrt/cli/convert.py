@@ -81,6 +81,7 @@ class ConvertProgress:
 def main(args: argparse.Namespace) -> int:
     from tinyrt.converters import convert
     from tinyrt.converters.conversion import bits_per_weight
+    from tinyrt.errors import printable
     from tinyrt.memory import parse_size
 
     from tinyrt.converters.writer import check_output
@@ -104,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
                       calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
                       clip=not args.no_clip, seed=args.seed, force=args.force,
                       max_shard_bytes=shard_bytes, progress=progress, requantize=args.requantize,
-                      notice=lambda text: print(f"note: {text}", file=sys.stderr, flush=True))
+                      notice=lambda text: print(printable(f"note: {text}"), file=sys.stderr,
+                                                  flush=True))
     finally:
         progress.close()
     seconds = time.perf_counter() - start

@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
-from tinyrt.errors import TinyrtError, shown
+from tinyrt.errors import TinyrtError, printable, shown
 
-from .options import (add_generation_options, add_model_option, generation_kwargs, load_llm,
-                      load_options, read_stdin, speculative_line, text_arg)
+from .options import (add_generation_options, add_model_option, add_raw_output_option,
+                      generation_kwargs, load_llm, load_options, read_stdin, speculative_line,
+                      text_arg)
 
 
 def add_parser(sub) -> None:
@@ -20,6 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--stats", action="store_true", help="print timings to stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_raw_output_option(p)
     add_generation_options(p)
 
 
@@ -71,6 +73,7 @@ def answer(args: argparse.Namespace) -> int:
     if not prompt:
         raise TinyrtError("PROMPT is empty")
     llm = load_llm(args, load)
+    safe = (lambda s: s) if args.raw_output else printable
     text, tokens, last = [], 0, None
     for r in llm.stream(prompt, raw=args.raw, **options):
         last = r
@@ -78,7 +81,7 @@ def answer(args: argparse.Namespace) -> int:
         if args.json:
             text.append(r.text)
         elif r.text:
-            sys.stdout.write(r.text)
+            sys.stdout.write(safe(r.text))
             sys.stdout.flush()
     t = last.timings
     timings = {"load_s": t.load_s, "ttft_s": t.ttft_s, "prefill_tok_s": t.prefill_tok_s,

@@ -45,6 +45,10 @@ def columns(rows: list[tuple[str, ...]]) -> str:
     """`rows` as lines of columns aligned with two spaces, each value whole. Not a rich table:
     rich lays one out at the console's width (80 columns where stdout is no terminal) and cuts
     a long path there."""
+    from tinyrt.errors import printable
+
+    # (a model's names, paths and fields are a file's: shown safe, and measured as shown)
+    rows = [tuple(map(printable, r)) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "".join("  ".join([*(f"{v:<{w}}" for v, w in zip(r, widths)), r[-1]]) + "\n"
                    for r in rows)

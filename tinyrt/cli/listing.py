@@ -66,18 +66,22 @@ def main(args: argparse.Namespace) -> int:
     from tinyrt.model_cache import cache_dir, tinyrt_cached
     from tinyrt.registry import hf_cached, hf_hub_cache
 
-    rows = [(m.name, size_text(m.size), m.owner, m.source) for m in tinyrt_cached() + hf_cached()]
+    from tinyrt.errors import printable
+
+    # (a name and a source are a file's and a record's: shown safe, and measured as shown)
+    rows = [tuple(map(printable, (m.name, size_text(m.size), m.owner, m.source)))
+            for m in tinyrt_cached() + hf_cached()]
     if rows:
         # plain columns, not a rich table: piped output must not wrap or cut a long name
         rows.insert(0, ("MODEL", "SIZE", "CACHE", "FROM"))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)), row[3], sep="  ")
-        print(f"tinyrt's cache: {cache_dir()} (`tinyrt rm NAME`, `tinyrt rm --all`); "
-              f"the Hugging Face cache: {hf_hub_cache()} (`hf cache rm`)")
+        print(printable(f"tinyrt's cache: {cache_dir()} (`tinyrt rm NAME`, `tinyrt rm --all`); "
+                        f"the Hugging Face cache: {hf_hub_cache()} (`hf cache rm`)"))
     else:
-        print(f"No models cached (tinyrt's cache: {cache_dir()}; the Hugging Face cache: "
-              f"{hf_hub_cache()}). `tinyrt pull` fetches the default model.")
+        print(printable(f"No models cached (tinyrt's cache: {cache_dir()}; the Hugging Face "
+                        f"cache: {hf_hub_cache()}). `tinyrt pull` fetches the default model."))
     kernels = kernel_cache()
     if kernels is not None:
         where, total = kernels

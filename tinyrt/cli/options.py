@@ -24,6 +24,13 @@ def add_model_option(p: argparse.ArgumentParser, *, positional: bool = False) ->
                         "(org/name[:QUANT]) (default: the default model)")
 
 
+def add_raw_output_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--raw-output", action="store_true",
+                   help="write the model's text as generated, escape sequences and control "
+                        "characters included (default: shown as visible \\x1b escapes, so "
+                        "that a model cannot retitle, clear or recolour the terminal)")
+
+
 def model_spec(args: argparse.Namespace):
     """The MODEL given with -m or as the positional argument (None: the default model)."""
     given = {m for m in (args.model, getattr(args, "model_pos", None)) if m is not None}

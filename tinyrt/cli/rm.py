@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyrt.errors import TinyrtError
+from tinyrt.errors import TinyrtError, printable
 
 
 def add_parser(sub) -> None:
@@ -19,8 +19,13 @@ def add_parser(sub) -> None:
     p.add_argument("-y", "--yes", action="store_true", help="do not ask")
 
 
+def _say(text: str, **kwargs) -> None:
+    """A line of rm's: its names and paths are a cache's, shown safe (`printable`)."""
+    print(printable(text), **kwargs)
+
+
 def _confirm(question: str) -> bool:
-    print(question, end=" ", file=sys.stderr, flush=True)
+    _say(question, end=" ", file=sys.stderr, flush=True)
     try:
         return input().strip().lower() in ("y", "yes")
     except EOFError:
@@ -29,7 +34,7 @@ def _confirm(question: str) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     from tinyrt.cli.listing import size_text
-    from tinyrt.model_cache import cache_dir, remove_cached, tinyrt_cached
+    from tinyrt.model_cache import FetchRunning, cache_dir, remove_cached, tinyrt_cached
     from tinyrt.registry import ALIASES, hf_cached
 
     if args.all == bool(args.names):
@@ -50,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
                                   f"{have}; see `tinyrt list`)")
             targets += [m for m in found if m not in targets]
     if not targets:
-        print(f"nothing to remove: tinyrt's cache ({cache_dir()}) holds no models", file=sys.stderr)
+        _say(f"nothing to remove: tinyrt's cache ({cache_dir()}) holds no models", file=sys.stderr)
         return 0
     total = sum(m.size for m in targets)
     if not args.yes:
@@ -58,11 +63,17 @@ def main(args: argparse.Namespace) -> int:
             raise TinyrtError("not removing without confirmation: stdin is not a terminal "
                               "(add -y)")
         for m in targets:
-            print(f"  {m.name}  {size_text(m.size)}  {m.path}", file=sys.stderr)
+            _say(f"  {m.name}  {size_text(m.size)}  {m.path}", file=sys.stderr)
         if not _confirm(f"Remove {len(targets)} item(s), {size_text(total)}? [y/N]"):
             print("nothing removed", file=sys.stderr)
             return 0
+    kept = 0
     for m in targets:
-        remove_cached(m)
-        print(f"removed {m.name} ({size_text(m.size)}): {m.path}")
-    return 0
+        try:
+            remove_cached(m)
+        except FetchRunning as e:            # (the others are still removed)
+            _say(f"tinyrt: {e}", file=sys.stderr)
+            kept += 1
+            continue
+        _say(f"removed {m.name} ({size_text(m.size)}): {m.path}")
+    return 1 if kept and not args.all else 0
