@@ -37,9 +37,10 @@ def tiny(tmp_path_factory):
 class Running:
     """A Server on uvicorn in a thread, on a port the OS picked; its log lines in `lines`."""
 
-    def __init__(self, llm, *, api_key=None, max_queue=8, max_body=MAX_BODY, **options):
+    def __init__(self, llm, *, api_key=None, max_queue=8, max_body=MAX_BODY, name="tiny",
+                 **options):
         self.llm, self.lines = llm, []
-        self.server = Server(llm, "tiny", api_key=api_key, max_queue=max_queue, max_body=max_body,
+        self.server = Server(llm, name, api_key=api_key, max_queue=max_queue, max_body=max_body,
                              log=self.lines.append, **options)
         self.server.engine.start()
         config = uvicorn.Config(self.server.app(), host="127.0.0.1", port=0, log_level="error")
@@ -52,7 +53,8 @@ class Running:
             time.sleep(0.02)
         self.port = self.web.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none",
+        self.client = openai.OpenAI(base_url=self.url + "/v1",
+                                    api_key=api_key if api_key and api_key.isascii() else "none",
                                     max_retries=0, timeout=60)
         self.ollama = ollama.Client(host=self.url, timeout=60)
 
@@ -318,6 +320,78 @@ def test_api_key(tiny):
         assert run.health()["status"] == "ok"        # (monitoring needs no key)
     finally:
         run.stop()
+
+
+def test_undecodable_names_and_keys_never_fail_a_reply(tmp_path):
+    """A model folder's name, an --alias or an --api-key of bytes that are not UTF-8 (as the
+    command line gives them: surrogate-escaped), a chat template with a lone surrogate: every
+    endpoint still answers, in valid JSON (U+FFFD where a name cannot be text), the key is
+    checked byte for byte."""
+    import http.client
+    import shutil
+
+    folder = tmp_path / os.fsdecode(b"m\xff\xfe")
+    shutil.copytree(write_tiny_model(tmp_path / "src", tiny_config(), seed=7), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "\udc80" + config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    key = os.fsdecode(b"k\xe9y\xff")
+    run = Running(tinyrt.LLM(folder, device="reference", kv_size=128), api_key=key,
+                  name=folder.name,
+                  aliases=[os.fsdecode(b"alias\xff")])
+    try:
+        assert run.health()["model"] == "m\ufffd\ufffd"
+
+        def ask(method, path, key_bytes, body=None):
+            c = http.client.HTTPConnection("127.0.0.1", run.port, timeout=30)
+            c.putrequest(method, path)
+            c.putheader("Authorization", b"Bearer " + key_bytes)
+            c.putheader("Content-Type", "application/json")
+            data = json.dumps(body).encode() if body is not None else b""
+            c.putheader("Content-Length", str(len(data)))
+            c.endheaders(data)
+            r = c.getresponse()
+            return r.status, r.read()
+
+        good = os.fsencode(key)
+        for bad in (b"key", good + b"x", "k\u00e9y\u00ff".encode()):
+            assert ask("GET", "/v1/models", bad)[0] == 401
+        status, data = ask("GET", "/v1/models", good)
+        assert status == 200 and json.loads(data)["data"][0]["id"] == "m\ufffd\ufffd"
+        status, data = ask("POST", "/api/show", good, {"model": "x"})
+        assert status == 200 and json.loads(data)["template"].startswith("\ufffd")
+        for path in ("/v1/chat/completions", "/api/chat"):
+            for stream in (False, True):
+                status, data = ask("POST", path, good, {"messages": HI, "max_tokens": 3,
+                                                        "stream": stream})
+                assert status == 200, data
+                lines = [x.removeprefix(b"data: ") for x in data.splitlines() if x.strip()]
+                assert all(x == b"[DONE]" or json.loads(x) for x in lines)
+    finally:
+        run.stop()
+
+
+@pytest.mark.parametrize("metadata", ["{\"a\": 1e999}", "{\"a\": \"\\ud800\"}",
+                                      "{\"a\": 1}", "[\"a\"]", "{\"a\": \"b\", \"c\": {}}",
+                                      json.dumps({str(i): "v" for i in range(17)}),
+                                      json.dumps({"a": "v" * 513}), json.dumps({"k" * 65: "v"})])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_fields_are_checked_as_read_ones(served, metadata, stream):
+    """The Responses API echoes `metadata`: a number a double cannot hold, a lone surrogate, a
+    value that is not a string, or more than OpenAI takes is a 400 naming what is wrong, never
+    a 500 nor a reply that is not JSON (streamed: Infinity in an event)."""
+    body = (f'{{"input": "hi", "max_output_tokens": 2, "stream": {json.dumps(stream)}, '
+            f'"metadata": {metadata}}}').encode()
+    status, reply = post(served.url + "/v1/responses", body)
+    assert status == 400, reply
+    assert any(w in reply["error"]["message"] for w in ("metadata", "range", "surrogate"))
+
+
+def test_echoed_metadata_comes_back_as_sent(served):
+    meta = {"run": "7", "note": "é \u2603"}
+    r = served.client.responses.create(model="tiny", input="hi", max_output_tokens=2,
+                                       metadata=meta)
+    assert r.metadata == meta
 
 
 # -- any model's name ------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ class ChatTemplate:
 def template_from_config(config: dict) -> ChatTemplate | None:
     """The chat template named in a tokenizer config (a string, or a list of named templates of
     which "default" is used), or None when the model has none."""
+    from tinyrt.errors import SURROGATE
     from tinyrt.tokenizer import token_text
 
     src = config.get("chat_template")
@@ -79,5 +80,8 @@ def template_from_config(config: dict) -> ChatTemplate | None:
         src = named.get("default")
     if not isinstance(src, str) or not src.strip():
         return None
+    # (a lone surrogate, a JSON escape not in a pair, is no text: no tokenizer, no reply and
+    # no encoder takes it)
+    src = SURROGATE.sub("\ufffd", src)
     return ChatTemplate(src, bos_token=token_text(config.get("bos_token")),
                         eos_token=token_text(config.get("eos_token")))

@@ -43,7 +43,9 @@ def shown(value, limit: int = 40) -> str:
 
 # C0 controls but tab and newline, DEL, C1 controls (0x9b is CSI to some terminals)
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
+# a lone surrogate: an undecodable byte of a file name or an argument (surrogate-escaped), or
+# a JSON escape not in a pair; no encoder takes it
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def printable(text: str) -> str:
@@ -53,7 +55,7 @@ def printable(text: str) -> str:
     file name, surrogate-escaped) as U+FFFD, which every encoder takes. The one filter of what
     tinyrt writes from a model or a file to a terminal, a pipe or an HTTP header."""
     text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-    return _SURROGATE.sub("\ufffd", text)
+    return SURROGATE.sub("\ufffd", text)
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:

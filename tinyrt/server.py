@@ -25,6 +25,8 @@ import contextlib
 import hashlib
 import hmac
 import json
+import math
+import os
 import sys
 import threading
 import time
@@ -40,7 +42,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tinyrt.errors import TinyrtError, shown
+from tinyrt.errors import SURROGATE, TinyrtError, shown
 
 from .chat import conversation_template, with_template_stops
 from .sampling import (ALIASES, OPTIONS, SamplingParams, SettingError, check_settings,
@@ -71,7 +73,7 @@ class APIError(Exception):
         """The error as OpenAI's error object, or as ollama's {"error": message}."""
         headers = {"Retry-After": "1"} if self.status == 503 else None
         body = {"error": self.message} if ollama else self.body()
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSON(body, status_code=self.status, headers=headers)
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -192,6 +194,15 @@ def responses_options(body: dict, max_tokens: int) -> dict:
     _refuse(body, "include", lambda v: v == [], "nothing to include")
     _refuse(body, "truncation", lambda v: v == "disabled",
             "a prompt longer than the context is refused, not truncated")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+            isinstance(metadata, dict) and len(metadata) <= 16
+            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                    and not SURROGATE.search(k + v) for k, v in metadata.items())):
+        # (echoed in the reply: checked as OpenAI checks it, and as text the other fields are)
+        raise _invalid("metadata", "must be an object of at most 16 keys of up to 64 "
+                                   "characters, each with a string of up to 512 (text: no lone "
+                                   "surrogates)")
     return sampling_options(body, max_tokens, renames={"max_output_tokens": "max_tokens"})
 
 
@@ -417,7 +428,10 @@ class Server:
     def __init__(self, llm, name: str, *, api_key: str | None, max_queue: int, max_body: int,
                  aliases=(), strict_model: bool = False,
                  log: Callable[[str], None] | None = _stderr):
-        self.llm, self.name, self.api_key = llm, name, api_key
+        self.llm, self.name = llm, name
+        # as bytes: a key given on the command line may hold bytes that are not UTF-8
+        # (surrogate-escaped), which a client sends as they are
+        self.api_key = None if api_key is None else os.fsencode(api_key)
         self.names = {name, *aliases}
         self.strict_model, self.log = strict_model, log
         self.max_body = max_body
@@ -453,7 +467,7 @@ class Server:
     # -- plain endpoints ------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.name, "running": self.engine.running,
+        return JSON({"status": "ok", "model": self.name, "running": self.engine.running,
                              "waiting": self.engine.waiting})
 
     def _model_object(self) -> dict:
@@ -461,13 +475,13 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [self._model_object()]})
+        return JSON({"object": "list", "data": [self._model_object()]})
 
     async def model(self, request: Request) -> Response:
         # (asked about one model by name, the server says whether it has it, strict or not)
         self._authorize(request)
         self._check_model(request.path_params["model"], strict=True)
-        return JSONResponse(self._model_object())
+        return JSON(self._model_object())
 
     async def _error(self, request: Request, exc: APIError) -> Response:
         return exc.response(_speaks_ollama(request))
@@ -493,10 +507,10 @@ class Server:
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
-                                                                 self.api_key.encode()):
+        # (a header's bytes, as starlette decodes them: Latin-1)
+        auth = request.headers.get("authorization", "").encode("latin-1")
+        scheme, _, key = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
             raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
                            code="invalid_api_key")
 
@@ -532,8 +546,9 @@ class Server:
             raise APIError(413, f"the request body is over {self.max_body:,} bytes, the most "
                                 "this server takes", code="body_too_large")
         try:
-            body = json.loads(data, parse_constant=_no_constant, parse_int=_json_int)
-        except _LongInteger as e:
+            body = json.loads(data, parse_constant=_no_constant, parse_int=_json_int,
+                              parse_float=_json_float)
+        except _BadNumber as e:
             raise APIError(400, str(e), code="invalid_value") from None
         except (ValueError, RecursionError):
             raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
@@ -572,7 +587,7 @@ class Server:
             return StreamingResponse(reply.events(first, items, usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(reply.whole(*await _whole(first, items)))
+        return JSON(reply.whole(*await _whole(first, items)))
 
     async def responses(self, request: Request) -> Response:
         """The Responses API (POST /v1/responses): text in, text out, whole or streamed."""
@@ -589,7 +604,7 @@ class Server:
         if body.get("stream", False):
             return StreamingResponse(reply.events(first, items), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(reply.whole(*await _whole(first, items)))
+        return JSON(reply.whole(*await _whole(first, items)))
 
     async def _chat_ids(self, messages: list[dict], options: dict) -> list[int]:
         """The conversation's token ids; `options` get the stop strings its template needs."""
@@ -642,7 +657,7 @@ class Server:
     async def ollama_version(self, request: Request) -> Response:
         from tinyrt import __version__
 
-        return JSONResponse({"version": __version__})
+        return JSON({"version": __version__})
 
     def _ollama_details(self) -> dict:
         family = self.llm.config.to_dict().get("model_type") or ""
@@ -663,7 +678,7 @@ class Server:
         size, mtime = self._ollama_files()
         # (an ollama digest is its manifest's hash; here one of what tells this model apart)
         digest = hashlib.sha256(f"{self.name}\0{size}\0{mtime}".encode()).hexdigest()
-        return JSONResponse({"models": [{"name": self.name, "model": self.name,
+        return JSON({"models": [{"name": self.name, "model": self.name,
                                          "modified_at": _ollama_time(mtime), "size": size,
                                          "digest": digest, "details": self._ollama_details()}]})
 
@@ -680,7 +695,7 @@ class Server:
             if isinstance(cfg.get(field), int):
                 info[f"{family}.{key}"] = cfg[field]
         stops = "".join(f"stop {json.dumps(s)}\n" for s in self.template_stops)
-        return JSONResponse({"modelfile": f"FROM {self.name}\n", "template": self.template.source,
+        return JSON({"modelfile": f"FROM {self.name}\n", "template": self.template.source,
                              "parameters": f"num_ctx {self.llm.cache.capacity}\n{stops}",
                              "details": details, "model_info": info,
                              "capabilities": ["completion"],
@@ -732,15 +747,16 @@ class Server:
         reply.prompt_tokens = len(ids)
         if stream:
             return StreamingResponse(reply.lines(first, items), media_type="application/x-ndjson")
-        return JSONResponse(reply.final(*await _whole(first, items)))
+        return JSON(reply.final(*await _whole(first, items)))
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-class _LongInteger(ValueError):
-    """A JSON integer longer than Python converts (4,300 digits)."""
+class _BadNumber(ValueError):
+    """A JSON number Python does not convert (an integer of over 4,300 digits) or a double
+    does not hold (1e999)."""
 
 
 def _json_int(text: str) -> int:
@@ -749,8 +765,44 @@ def _json_int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise _LongInteger(f"the request body has an integer of {len(text):,} digits, "
-                           "more than any field takes") from None
+        raise _BadNumber(f"the request body has an integer of {len(text):,} digits, "
+                         "more than any field takes") from None
+
+
+def _json_float(text: str) -> float:
+    # (1e999 is valid JSON and infinite as a double: no field takes it, and echoed it would
+    # make the reply invalid JSON)
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BadNumber(f"the request body has a number out of a double's range "
+                         f"({shown(text, 24)})")
+    return value
+
+
+def json_bytes(obj) -> bytes:
+    """The one encoding of the server's JSON, whole or streamed: UTF-8, always valid JSON. A
+    float that is not finite (a division by a zero time) is null; a lone surrogate (a name
+    from undecodable bytes: a model folder's, an alias given on the command line; a chat
+    template's) is U+FFFD."""
+    text = json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return SURROGATE.sub("\ufffd", text).encode()
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+class JSON(JSONResponse):
+    """starlette's JSONResponse, encoded by `json_bytes`."""
+
+    def render(self, content) -> bytes:
+        return json_bytes(content)
 
 
 async def _items(request: Request, job: Job, engine: Engine, counts: list[int]) -> AsyncIterator:
@@ -866,7 +918,7 @@ class Reply:
 
 
 def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 def _speaks_ollama(request: Request) -> bool:
@@ -918,7 +970,7 @@ class ResponsesReply:
         self.created = int(time.time())
         self.asked = {k: body.get(k) for k in ("instructions", "max_output_tokens",
                                                "temperature", "top_p")}
-        self.metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+        self.metadata = body.get("metadata") or {}        # (responses_options checked it)
         self.sequence = 0
 
     def usage(self, last) -> dict:
@@ -1030,7 +1082,7 @@ class OllamaReply:
         line = {**self._line("", True), "done_reason": "load"}
         if stream:
             return Response(_ndjson(line), media_type="application/x-ndjson")
-        return JSONResponse(line)
+        return JSON(line)
 
     async def lines(self, first, items: AsyncIterator) -> AsyncIterator[bytes]:
         last = first
@@ -1046,4 +1098,4 @@ class OllamaReply:
 
 
 def _ndjson(obj: dict) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    return json_bytes(obj) + b"\n"
