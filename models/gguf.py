@@ -32,7 +32,8 @@ from tinyrt.models.families import gguf_family
 from tinyrt.models.gguf_quants import (FLOAT_FIELDS, FORMS, GGUF_TO_QUANT, finite_scales,
                                        to_quant)
 from tinyrt.models.llama import GGUF_GLOBAL
-from tinyrt.models.weights import ModelWeights, all_finite, held_layers, release_pages
+from tinyrt.models.weights import (ModelWeights, all_finite, held_layers, map_file,
+                                   release_pages)
 from tinyrt.paths import open_regular
 
 Q = GGMLQuantizationType
@@ -291,8 +292,7 @@ class GGUFFile:
                 magic = f.read(4)
                 if magic != b"GGUF":
                     raise ModelFormatError(f"{self.path} is not a GGUF file (bad magic {magic!r})")
-                # mapped from the descriptor checked above, not from the path opened again
-                self._bytes = np.memmap(f, np.uint8, mode="r").view(np.ndarray)
+                self._bytes = map_file(f).view(np.ndarray)
             except OSError as e:    # /proc/self/mem: a "regular file" that cannot be read
                 raise ModelFormatError(f"cannot read {self.path}: {e.strerror or e}") from None
         try:

@@ -61,6 +61,16 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def map_file(f) -> np.ndarray:
+    """The open file `f` mapped read-only as bytes: from the descriptor checked, not from the
+    path opened again. Its weights are read there while the model runs, so a bus error (the
+    file cut short meanwhile) ends the process in one line (kernels.sigbus)."""
+    from tinyrt.kernels import sigbus
+
+    sigbus.install()
+    return np.memmap(f, np.uint8, mode="r")
+
+
 class SafetensorsFile:
     """One .safetensors file, mapped read-only. `get(name)` returns a view into the mapping."""
 
@@ -81,8 +91,7 @@ class SafetensorsFile:
                 if n > min(MAX_HEADER, size - 8):
                     raise ModelFormatError(f"{bad} (header length {n} exceeds the file)")
                 raw = f.read(n)
-                # mapped from the descriptor checked above, not from the path opened again
-                mapped = np.memmap(f, dtype=np.uint8, mode="r") if size > 8 + n else None
+                mapped = map_file(f) if size > 8 + n else None
             except (OSError, struct.error) as e:   # struct.error: it shrank meanwhile
                 raise ModelFormatError(f"cannot read {self.path}: "
                                        f"{getattr(e, 'strerror', None) or e}") from None

@@ -206,3 +206,36 @@ def test_a_chat_history_that_is_no_file_is_kept_in_memory(tmp_path):
         assert not _history_file(tmp_path / name), name
     for name in ("regular", "link", "absent"):
         assert _history_file(tmp_path / name), name
+
+
+CUT_SHORT = """
+import os, sys
+import tinyrt
+llm = tinyrt.load(sys.argv[1], device="cpu", quiet=True)
+print(llm.generate("hi", max_tokens=2, temperature=0), flush=True)
+os.truncate(sys.argv[1], 4096)
+print(llm.generate("hi again", max_tokens=2, temperature=0), flush=True)
+"""
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "F32"])
+def test_a_model_file_cut_short_while_in_use_ends_in_one_line(tmp_path, qtype):
+    """A GGUF file truncated after it is mapped (its weights are read there as the model runs):
+    the next reply's read of a lost page is a bus error, which ends the process with one line
+    and exit code 1, not a silent death by SIGBUS."""
+    import subprocess
+    import sys
+
+    from gguf_helpers import write_gguf
+    from helpers import CHATML, byte_level_tokenizer, random_weights
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, cfg, random_weights(cfg), byte_level_tokenizer(300).to_str(), qtype=qtype,
+               chat_template=CHATML)
+    p = subprocess.run([sys.executable, "-c", CUT_SHORT, str(path)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1 and p.stdout.count("\n") == 1, (p.returncode, p.stdout, p.stderr)
+    assert p.stderr.splitlines() == [
+        "tinyrt: error: a model file was cut short or changed while tinyrt was reading it (a bus "
+        "error reading its weights): load the model again"], p.stderr

@@ -71,3 +71,95 @@ def test_a_vocabulary_of_a_billion_tokens_is_refused(tmp_path):
             open_source(path)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, limit)
+
+
+LIMITS = [pytest.param(("RLIMIT_AS", "VmSize"), id="ulimit -v"),
+          pytest.param(("RLIMIT_DATA", "VmData"), id="ulimit -d")]
+
+
+@pytest.fixture(params=LIMITS)
+def rlimit(request):
+    import resource
+
+    return getattr(resource, request.param[0]), request.param[1], request.node.callspec.id
+
+
+def test_the_process_s_limits_are_read_as_well_as_free_memory(rlimit):
+    """Under `ulimit -v` or `ulimit -d` the machine's free memory is not what the process may
+    take: ensure_fits names the limit that is short."""
+    import resource
+
+    kind, field, name = rlimit
+    limit = resource.getrlimit(kind)
+    resource.setrlimit(kind, (status_kib(field) * 1024 + (1 << 30), limit[1]))
+    try:
+        (room, what), = [r for r in memory.process_rooms() if name in r[1]]
+        assert (1 << 30) - (64 << 20) < room <= 1 << 30
+        memory.ensure_fits("a thing", 512 << 20)
+        with pytest.raises(TinyrtError, match=rf"a thing needs 2,048 MiB but [\d,]+ MiB is left "
+                                              rf"under the process's .*\({name}\): lower it"):
+            memory.ensure_fits("a thing", 2 << 30, ": lower it")
+    finally:
+        resource.setrlimit(kind, limit)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_cgroup_s_limit_is_read(tmp_path, version):
+    """A container's limit (cgroup v2's memory.max, v1's memory.limit_in_bytes) less what its
+    group uses, its droppable page cache aside; a parent's tighter limit counts, none set is
+    none."""
+    proc = tmp_path / "cgroup"
+    base = tmp_path if version == 2 else tmp_path / "memory"
+    proc.write_text("0::/a/b\n" if version == 2 else "4:memory:/a/b\n0::/\n")
+    files = {2: ("memory.max", "memory.current", "inactive_file", "max"),
+             1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file",
+                 str(2**63 - 4096))}[version]
+    limit_file, use_file, cache_field, unlimited = files
+    for group, limit in ((base, unlimited), (base / "a", unlimited), (base / "a" / "b", 8 << 30)):
+        group.mkdir(parents=True, exist_ok=True)
+        (group / limit_file).write_text(f"{limit}\n")
+        (group / use_file).write_text(f"{3 << 30}\n")
+        (group / "memory.stat").write_text(f"anon 1\n{cache_field} {1 << 30}\n")
+    assert memory._cgroup_room(str(tmp_path), str(proc)) == 6 << 30
+    (base / "a" / limit_file).write_text(f"{4 << 30}\n")
+    assert memory._cgroup_room(str(tmp_path), str(proc)) == 2 << 30
+    for group in (base / "a", base / "a" / "b"):
+        (group / limit_file).write_text(f"{unlimited}\n")
+    assert memory._cgroup_room(str(tmp_path), str(proc)) is None
+
+
+def test_an_allocation_that_fails_is_one_line_naming_the_option(tmp_path, monkeypatch):
+    """Where no check could see it coming (the limits unread here), the KV cache's failed
+    allocation under `ulimit -v` is one TinyrtError naming --kv-size, not an OSError."""
+    import resource
+
+    d = write_tiny_model(tmp_path / "m")
+    monkeypatch.setattr(memory, "process_rooms", lambda: [])
+    monkeypatch.setattr(memory, "available_bytes", lambda: None)
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (status_kib("VmSize") * 1024 + (1 << 30), limit[1]))
+    try:
+        with pytest.raises(TinyrtError, match=r"a KV cache of 16,000,000 tokens ran out of "
+                                              r"memory.*--kv-size"):
+            tinyrt.load(d, device="reference", quiet=True, kv_size=16_000_000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+
+
+def test_a_cache_past_ulimit_is_refused_in_one_line(tmp_path):
+    """`tinyrt generate -c 16000000` under `ulimit -v`: one line, the limit and the option."""
+    import subprocess
+    import sys
+
+    from helpers import assert_refused
+
+    d = write_tiny_model(tmp_path / "m")
+
+    def limit():
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
+
+    p = subprocess.run([sys.executable, "-m", "tinyrt", "generate", str(d), "-c", "16000000",
+                        "hi"], capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    p.peak_bytes = 0
+    assert_refused(p, "16,000,000 tokens", "ulimit -v", "--kv-size")

@@ -5,7 +5,6 @@ such text; `--raw-output` writes a reply as generated."""
 import io
 import json
 
-import numpy as np
 import pytest
 
 from helpers import random_weights, run_tinyrt, tiny_config, write_tiny_model

@@ -22,7 +22,7 @@ from .kernels import get_backend, on_first_compile
 from .kv_cache import make_cache
 from .kv_options import CacheOptions
 from .models import load_model, trim_heap, warm_up
-from .memory import cpu_count
+from .memory import CACHE_HINT, cpu_count, out_of_memory_is
 from .models.weights import FLOAT_TYPES
 from .paths import read_json
 from .sampling import (DEFAULT_MAX_TOKENS, SHOWN_SETTINGS, Sampler, SamplingParams, SettingError,
@@ -200,7 +200,9 @@ class LLM:
         largest = _largest_token_id(self.tokenizer)      # (its scan's memory is trimmed next)
         self.template = template_from_config(self.tokenizer.config)
         trim_heap()
-        self.model = load_model(self.directory, self.backend, dtype)
+        with out_of_memory_is(f"loading the model in {self.directory}",
+                              ": a smaller model, or a quantized one (tinyrt convert)"):
+            self.model = load_model(self.directory, self.backend, dtype)
         self.config = cfg = self.model.config
         self.generation_config = _generation_config(self.directory)
         _check_token_ids(self.directory, largest, self.tokenizer, cfg, self.generation_config)
@@ -210,10 +212,12 @@ class LLM:
                                         kv_mem=None)
         self.draft_tokens = draft_tokens
         self.cache_options = cache
-        self.cache = make_cache(cache, self.model)
-        # the kernels compiled now, in load_s, not in a reply's timings; a streaming cache's
-        # evictions call kernels of their own: a small cache of its kind is run past its size
-        warm_up(self.model, self.cache)
+        with out_of_memory_is(f"a KV cache of {cache.size_for(cfg):,} tokens", CACHE_HINT):
+            self.cache = make_cache(cache, self.model)
+            # the kernels compiled now, in load_s, not in a reply's timings; a streaming
+            # cache's evictions call kernels of their own: a small cache of its kind is run
+            # past its size
+            warm_up(self.model, self.cache)
         if self.cache.streams:
             small = dataclasses.replace(cache, kv_size=cache.sinks + 32, kv_mem=None,
                                         recent=8 if cache.recent else None)

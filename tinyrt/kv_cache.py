@@ -46,7 +46,7 @@ import numpy as np
 from tinyrt.errors import CacheFullError, TinyrtError
 from tinyrt.kernels import kv_quant
 from tinyrt.kv_options import POLICY_NAMES, RING_CHUNK, CacheOptions, windowed_layers
-from tinyrt.memory import ensure_fits
+from tinyrt.memory import CACHE_HINT, ensure_fits
 
 
 class KVLayout(NamedTuple):
@@ -111,8 +111,7 @@ class KVCache:
         else:
             need = 2 * n_layers * kv_heads * capacity * head_dim * options.dtype.itemsize
         if backend.host_memory:          # a GPU reports its own shortage
-            ensure_fits(f"a KV cache of {capacity:,} tokens", int(need),
-                        ": choose a smaller --kv-size")
+            ensure_fits(f"a KV cache of {capacity:,} tokens", int(need), CACHE_HINT)
         self.layout, self.backend = layout, backend
         self.capacity, self.kv_heads = capacity, kv_heads
         if self.quantized:

@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         # (its text may hold a model's or a file's: a name, a field, a token)
         print(printable(f"tinyrt: error: {e}"), file=sys.stderr)
         return 1
+    except MemoryError:      # (an allocation no check saw coming: loading guards its own)
+        print("tinyrt: error: out of memory: a smaller --kv-size (-c), a smaller model or a "
+              "shorter prompt", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
