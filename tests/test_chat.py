@@ -232,20 +232,30 @@ def test_a_request_that_takes_back_the_sinks_gets_its_own(tiny):
     assert got.timings.cached_tokens < llm.cache.n_sink
 
 
-def test_dense_overflow_is_a_clear_error_and_sink_goes_on(tiny):
+def test_a_dense_chat_goes_on_past_its_cache_and_sink_keeps_it_all(tiny):
+    """A dense cache the conversation fills: the oldest turns are left out (the system message
+    stays), every turn is answered, and the model sees the newest turns as a fresh
+    conversation of them would be tokenized; a message that alone does not fit is still a
+    clear error. A sink cache keeps every turn's tokens, evicting."""
     llm = tinyrt.LLM(tiny, kv_size=96)
-    chat = tinyrt.ChatSession(llm, max_tokens=30, temperature=0, ignore_eos=True)
+    chat = tinyrt.ChatSession(llm, system="S", max_tokens=30, temperature=0, ignore_eos=True)
+    for i in range(10):
+        assert len(list(chat.send(f"message number {i}"))) >= 2
+        assert chat.last.prompt_tokens + chat.last.cached_tokens + 30 // 2 <= 96
+    assert len(chat.messages) == 20 and chat.left_out >= 2 and chat.left_out % 2 == 0
+    seen = [{"role": "system", "content": "S"}, *chat.messages[chat.left_out:-1]]
+    assert chat.last.prompt_tokens + chat.last.cached_tokens == len(llm.encode(
+        chat.template.render(seen, add_generation_prompt=True)))
     with pytest.raises(CacheFullError, match="room for"):
-        for i in range(10):
-            list(chat.send(f"message number {i}"))
-    assert 1 <= len(chat.messages) // 2 < 10
+        list(chat.send("word " * 200))
     chat.reset()
-    assert chat.history == [] and "".join(r.text for r in chat.send("again")) is not None
+    assert chat.history == [{"role": "system", "content": "S"}] and chat.left_out == 0
+    assert "".join(r.text for r in chat.send("again"))
     sink = tinyrt.ChatSession(tinyrt.LLM(tiny, kv_size=96, kv_policy="sink"), max_tokens=30,
                               temperature=0, ignore_eos=True)
     for i in range(10):
         list(sink.send(f"message number {i}"))
-    assert len(sink.messages) == 20 and sink.llm.cache.next_pos > 300
+    assert len(sink.messages) == 20 and sink.llm.cache.next_pos > 300 and sink.left_out == 0
 
 
 def test_save_and_load(tiny, tmp_path):

@@ -336,6 +336,18 @@ def test_run_answers_a_prompt_as_generate_and_chats_without_one(tiny_dir):
     assert_refused(run_tinyrt("generate", "-m", str(tiny_dir), "-n", "2"), "no PROMPT")
 
 
+def test_a_piped_chat_goes_on_when_its_cache_fills(tiny_dir):
+    """`chat -c 96`, 8 turns of 30 tokens: every turn is answered; that the oldest turns are
+    left out is said once, and a reply cut by the cache's end is said to be."""
+    turns = "".join(f"turn number {i}\n" for i in range(8))
+    p = run_tinyrt("chat", str(tiny_dir), "-c", "96", "-n", "30", "--temperature", "0",
+                   "--ignore-eos", input=turns)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stdout.count("\n") == 8 and all(line for line in p.stdout.splitlines()), p.stdout
+    assert p.stderr.count("oldest turns are left out") == 1, p.stderr
+    assert "room for" not in p.stderr
+
+
 def test_llama_cpp_spellings_mean_what_they_mean_there(tiny_dir):
     """-p PROMPT; -n/--n-predict N tokens; -c/--ctx-size (and its prefix --ctx) the KV cache's
     size; -ngl taken, with a note of one line on what tinyrt does instead."""

@@ -394,6 +394,23 @@ def test_echoed_metadata_comes_back_as_sent(served):
     assert r.metadata == meta
 
 
+def test_a_conversation_longer_than_the_cache_leaves_its_oldest_turns_out(served):
+    """As ollama truncates a chat to its context: the system message and the newest turns go
+    to the model, the reply has room (a conversation of 40 turns, a cache of 256)."""
+    history = [{"role": "system", "content": "S"}]
+    for i in range(20):
+        history += [{"role": "user", "content": f"question {i} " * 3},
+                    {"role": "assistant", "content": f"answer {i} " * 3}]
+    history.append({"role": "user", "content": "last"})
+    r = served.client.chat.completions.create(model="tiny", messages=history, max_tokens=8,
+                                              temperature=0)
+    assert r.choices[0].message.content and r.usage.prompt_tokens <= 256 - 8
+    newest = chat_ids(served.llm, [history[0], *history[-3:]])
+    assert r.usage.prompt_tokens >= len(newest)
+    reply = served.ollama.chat(model="tiny", messages=history, options={"num_predict": 8})
+    assert reply.message.content and reply.prompt_eval_count <= 256 - 8
+
+
 # -- any model's name ------------------------------------------------------------------------------
 
 HI = [{"role": "user", "content": "hi"}]

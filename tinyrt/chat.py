@@ -23,7 +23,7 @@ from tinyrt.errors import TinyrtError
 from .chat_template import ChatTemplate
 from .generate import Response, Timings
 from .paths import new_file, read_text, shown_path, user_path
-from .sampling import MAX_STOPS, SettingError, check_settings
+from .sampling import DEFAULT_MAX_TOKENS, MAX_STOPS, SettingError, check_settings
 
 # for a model without a chat template; a reply follows "Assistant:" as generated (its own
 # leading space), so that the next turn's text extends the text the cache holds
@@ -54,6 +54,30 @@ def with_template_stops(stop, extra: list[str]) -> list[str]:
     return stops
 
 
+def fit_turns(encode, messages: list[dict], cache, reserve: int,
+              ids: list[int] | None = None) -> tuple[list[int], list[dict]]:
+    """The conversation `messages` with its oldest turns left out until its tokens
+    (`encode(messages)`, or `ids` where known) leave `reserve` slots of a dense `cache` free for
+    the reply (at most half of it), as ollama truncates a chat to its context: the system (and
+    developer) messages at its head and the last user turn always stay, and what follows the
+    head starts at a user turn. Returns (its tokens, the messages kept). A streaming cache takes
+    it all; what does not fit even so is the caller's to refuse (check_fits)."""
+    head = 0
+    while head < len(messages) and messages[head]["role"] in ("system", "developer"):
+        head += 1
+    kept = messages
+    ids = encode(messages) if ids is None else ids
+    reserve = min(reserve, cache.capacity // 2)
+    first = head
+    while not cache.streams and len(ids) + reserve > cache.capacity and first < len(messages) - 1:
+        first += 1
+        while first < len(messages) - 1 and messages[first]["role"] != "user":
+            first += 1
+        kept = messages[:head] + messages[first:]
+        ids = encode(kept)
+    return ids, kept
+
+
 class ChatSession:
     """A multi-turn chat with `llm` (a `tinyrt.LLM`, whose KV cache it uses).
 
@@ -77,6 +101,7 @@ class ChatSession:
         self.messages: list[dict] = []           # user and assistant turns, without the system
         self.last: Timings | None = None         # the last reply's timings
         self.last_finish: str | None = None
+        self.left_out = 0      # the oldest messages the model no longer sees (the cache filled)
         self.template, self._stops = conversation_template(llm)
         self._held: str | None = None            # the conversation's text so far
         self._ids: list[int] = []                # its tokens as the model saw them
@@ -90,7 +115,7 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation (the system message and settings stay) and empty the cache."""
-        self.messages = []
+        self.messages, self.left_out = [], 0
         self.llm.reset()
         self._invalidate()
 
@@ -115,13 +140,20 @@ class ChatSession:
             raise TinyrtError("a chat message needs some text")
         opts = check_settings({**self.settings, **options})
         opts["stop"] = with_template_stops(opts.get("stop"), self._stops)
-        messages = self.history + [{"role": "user", "content": text}]
+        head = self.history[:len(self.history) - len(self.messages)]
+        messages = head + self.messages[self.left_out:] + [{"role": "user", "content": text}]
         full = self.template.render(messages, add_generation_prompt=True)
         tok = self.llm.tokenizer
         if self._held is not None and full.startswith(self._held):
             ids = self._ids + self.llm.encode(full[len(self._held):], what="the message")
         else:
             ids = self.llm.encode(full, what="the conversation")
+        # a dense cache the conversation fills: its oldest turns are left out from now on
+        ids, kept = fit_turns(self._encode, messages, self.llm.cache,
+                              opts.get("max_tokens") or DEFAULT_MAX_TOKENS, ids)
+        if kept is not messages:
+            self.left_out += len(messages) - len(kept)
+            full = self.template.render(kept, add_generation_prompt=True)
         self._invalidate()
         gen = self.llm.complete(ids, **opts)     # refuses, before any work, what cannot fit
         self.messages.append({"role": "user", "content": text})
@@ -144,6 +176,10 @@ class ChatSession:
             # (a stop string cut it, a special token)
             if tok.decode(tokens, skip_special=False) == reply:
                 self._held, self._ids = full + reply, ids + tokens
+
+    def _encode(self, messages: list[dict]) -> list[int]:
+        return self.llm.encode(self.template.render(messages, add_generation_prompt=True),
+                               what="the conversation")
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -196,7 +232,7 @@ class ChatSession:
             raise TinyrtError(f"{path}: {e}") from None
         self.llm.check_text("".join([system or "", *(m["content"] for m in messages)]),
                             what=f"{path}: the conversation")
-        self.messages = [dict(m) for m in messages]
+        self.messages, self.left_out = [dict(m) for m in messages], 0
         self.system = system
         self.settings.update(settings)
         self._invalidate()

@@ -44,7 +44,7 @@ from starlette.routing import Route
 
 from tinyrt.errors import SURROGATE, TinyrtError, shown
 
-from .chat import conversation_template, with_template_stops
+from .chat import conversation_template, fit_turns, with_template_stops
 from .sampling import (ALIASES, OPTIONS, SamplingParams, SettingError, check_settings,
                        check_value, unknown_option)
 
@@ -612,7 +612,7 @@ class Server:
             options["stop"] = with_template_stops(options.get("stop"), self.template_stops)
         except SettingError as e:
             raise APIError(400, str(e), param="stop", code="invalid_value") from None
-        return await run_in_threadpool(self._render, messages)
+        return await run_in_threadpool(self._render, messages, options["max_tokens"])
 
     async def _start(self, request: Request, ids: list[int], options: dict, param: str):
         """The generation of `ids` queued, and its first Response awaited (a refusal is a
@@ -628,10 +628,16 @@ class Server:
         first = await anext(items, None)
         return None if first is None else (first, items)
 
-    def _render(self, messages: list[dict]) -> list[int]:
-        try:
+    def _render(self, messages: list[dict], reserve: int) -> list[int]:
+        """The conversation's tokens; where they fill the cache, its oldest turns left out
+        (as ollama truncates a chat to its context) so that `reserve` slots stay for the reply,
+        up to half the cache."""
+        def encode(messages):
             text = self.template.render(messages, add_generation_prompt=True)
             return self.llm.encode(text, what="the conversation")
+
+        try:
+            return fit_turns(encode, messages, self.llm.cache, reserve)[0]
         except TinyrtError as e:
             raise APIError(400, str(e), param="messages") from None
 

@@ -432,6 +432,7 @@ def reply(session, text: str, out: Printer, stopped: Callable[[], bool] | None) 
     """Stream the reply to `text`, ending early when `stopped()` (Ctrl-C, Ctrl-D); a reply so
     stopped is shown as the conversation keeps it, and marked."""
     gen = session.send(text)
+    left_out = session.left_out
     shown, error, ended, pieces, broke = out.reply(), None, False, [], False
     try:
         for r in gen:
@@ -460,10 +461,14 @@ def reply(session, text: str, out: Printer, stopped: Callable[[], bool] | None) 
         out.note(error)
         return
     cache = session.llm.cache
+    if session.left_out > left_out and left_out == 0:      # (said once a conversation)
+        out.note(f"The conversation fills the KV cache ({cache.capacity} tokens): its oldest "
+                 "turns are left out from now on (/reset to start over, --kv-size for more).")
     if session.last is not None:
         out.note(status_line(session))
     if session.last_finish == "length" and not cache.streams and cache.free == 0:
-        out.note("The KV cache is full: /reset to start over, or restart with --kv-policy sink.")
+        out.note(f"The reply was cut where the KV cache ends ({cache.capacity} tokens); the "
+                 "next turn leaves the oldest turns out.")
 
 
 def status_line(session) -> str:
