@@ -976,3 +976,21 @@ def test_terminal_chat_remembers_the_first_turn(smol, tmp_path):
     c.sendcontrol("d")
     c.expect(pexpect_eof())
     assert "Paris" in follow_up and "Paris" not in fresh
+
+
+@pytest.mark.parametrize("typed", ["\x1b[<0;1M", "\x1b[<35;1;1m", "\x1b[96;14;13M"])
+def test_a_malformed_mouse_report_typed_at_the_prompt_is_ignored(typed, tmp_path, monkeypatch):
+    """An escape sequence typed or pasted raw that reads as a mouse report prompt_toolkit
+    cannot parse (its handler raises, which ended the prompt with "Press ENTER to continue"):
+    the line typed after it is read."""
+    from prompt_toolkit.application import create_app_session
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from tinyrt.cli.chat import Terminal
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))         # (its history file)
+    with create_pipe_input() as keys, create_app_session(input=keys, output=DummyOutput()):
+        prompt = Terminal.__new__(Terminal)._prompt_session()
+        keys.send_text(typed + "hello\r")
+        assert prompt.prompt("> ") == "hello"

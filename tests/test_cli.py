@@ -303,10 +303,14 @@ GREEDY = ("-n", "4", "--ignore-eos", "--temperature", "0")
     (["generate", "-n", "5", "--", "-hi"], None, "-hi"),
     (["generate", "M", "--", "--json"], "M", "--json"),                # an option's spelling
     (["run", "-m", "M", "--", "-hi"], "M", "-hi"),
+    (["run", "What is the capital of France?"], None, "What is the capital of France?"),
+    (["run", "smollm2"], "smollm2", None),
+    (["run", "-n", "4", "--", "What is it?"], None, "What is it?"),
 ])
 def test_everything_after_a_double_dash_is_positional(args, model, prompt):
     """POSIX's `--`: a PROMPT that starts with a dash, after options or not (parsed here as
-    the command parses it, without a model)."""
+    the command parses it, without a model); and `run`'s lone argument is MODEL, as ollama's,
+    unless it is text with spaces (a prompt for the default model)."""
     from tinyrt.cli import build_parser, generate
 
     parsed = build_parser().parse_args(args)
@@ -334,6 +338,11 @@ def test_run_answers_a_prompt_as_generate_and_chats_without_one(tiny_dir):
     assert_refused(run_tinyrt("run", str(tiny_dir), "--json", input=""), "--json", "PROMPT")
     assert_refused(run_tinyrt("run", str(tiny_dir), "a", "-p", "b"), "two prompts")
     assert_refused(run_tinyrt("generate", "-m", str(tiny_dir), "-n", "2"), "no PROMPT")
+
+
+def test_ollama_s_bye_ends_a_piped_chat(tiny_dir):
+    p = run_tinyrt("chat", str(tiny_dir), *GREEDY, input="hi\n/bye\nnever answered\n")
+    assert p.returncode == 0 and p.stdout.count("\n") == 1, (p.stdout, p.stderr)
 
 
 def test_a_piped_chat_goes_on_when_its_cache_fills(tiny_dir):

@@ -135,3 +135,26 @@ def test_a_model_kernel_reads_the_cache_whatever_was_imported_first(tmp_path):
     again = halves("import tinyrt.kernels.cpu.jit")
     assert any("data loaded" in line for line in again), again
     assert not any("data saved" in line for line in again), again
+
+
+def test_list_counts_every_package_s_compiled_kernels(tmp_path):
+    """`tinyrt list`'s size of the compiled kernels: every package that holds cache=True kernels
+    (the CPU kernels' own subpackage among them), every file of theirs Numba wrote."""
+    import importlib.util
+    from pathlib import Path
+
+    import tinyrt
+    from tinyrt.cli.listing import kernel_cache
+
+    from helpers import write_tiny_model
+
+    # the CPU kernels compiled (their files written), or read from the files there
+    tinyrt.load(write_tiny_model(tmp_path / "m"), device="cpu", quiet=True).generate("hi",
+                                                                                  max_tokens=1)
+    found, total = kernel_cache()
+    for package in ("tinyrt.kernels.cpu",):
+        source = Path(next(iter(importlib.util.find_spec(package).submodule_search_locations)))
+        stems = {f.stem for f in source.glob("*.py")}
+        ours = [f for d in found for f in d.iterdir()
+                if f.suffix in (".nbi", ".nbc") and f.name.split(".", 1)[0] in stems]
+        assert ours and total >= sum(f.stat().st_size for f in ours), (package, found)

@@ -63,6 +63,10 @@ class BenchProgress:
         self.bar.stop()
 
 
+def _threads(n: int | None) -> str:
+    return "BLAS threads" if not n else "1 thread" if n == 1 else f"{n} threads"
+
+
 def main(args: argparse.Namespace) -> int:
     from tinyrt import bench
     from tinyrt.errors import TinyrtError, printable
@@ -83,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"{printable(r['model'])} on {r['device']} ({r['threads'] or 'BLAS'} threads)\n"
+    print(f"{printable(r['model'])} on {r['device']} ({_threads(r['threads'])})\n"
           f"  load           {r['load_s']:8.2f} s\n"
           f"  TTFT           {r['ttft_s'] * 1e3:8.0f} ms   ({r['prompt_tokens']}-token prompt)\n"
           f"  prefill        {r['prefill_tok_s']:8.1f} tok/s\n"

@@ -45,7 +45,7 @@ HELP = """\
 /stats             the last reply's timings and the KV cache
 /save FILE         write the conversation as JSON
 /load FILE         read a conversation written by /save
-/exit              quit (or Ctrl-D)
+/exit              quit (or /quit, ollama's /bye, Ctrl-D)
 A line ending in \\ continues on the next line; Alt-Enter inserts a line break.
 Ctrl-C stops a reply (what it said stays) or clears the line; Ctrl-D during a reply
 stops it and quits. Keys typed during a reply go to the next prompt."""
@@ -330,7 +330,7 @@ def command(session, line: str, out: Printer, stopped: Callable[[], bool] | None
     name, _, arg = line.partition(" ")
     arg = arg.strip()
     try:
-        if name in ("/exit", "/quit"):
+        if name in ("/exit", "/quit", "/bye"):              # (/bye: ollama's)
             return False
         if name == "/help":
             out.note(HELP)
@@ -506,6 +506,8 @@ class Terminal:
         from prompt_toolkit import PromptSession
         from prompt_toolkit.history import FileHistory, InMemoryHistory
         from prompt_toolkit.key_binding import KeyBindings
+        from prompt_toolkit.key_binding.bindings.mouse import load_mouse_bindings
+        from prompt_toolkit.keys import Keys
 
         keys = KeyBindings()
 
@@ -521,6 +523,17 @@ class Terminal:
         @keys.add("escape", "enter")
         def _(event):
             event.current_buffer.insert_text("\n")
+
+        mouse = load_mouse_bindings().get_bindings_for_keys((Keys.Vt100MouseEvent,))[0].handler
+
+        @keys.add(Keys.Vt100MouseEvent)
+        def _(event):
+            # a mouse report that is malformed (an escape sequence typed or pasted raw) is
+            # ignored: prompt_toolkit's own handler raises on it, which ends the prompt
+            try:
+                return mouse(event)
+            except (ValueError, IndexError, KeyError):
+                return None
 
         history = InMemoryHistory()
         try:

@@ -37,18 +37,29 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
 def place_prompt(args: argparse.Namespace, lone: str) -> None:
     """Sort the positionals that `add_prompt_arguments` took into args.model_pos and
     args.prompt, -p's PROMPT among them. argparse fills MODEL first; a lone positional is what
-    -m or -p leaves open, else `lone` ("model": `run MODEL`, "prompt": `generate PROMPT`)."""
+    -m or -p leaves open, else `lone` ("model": `run MODEL`, "prompt": `generate PROMPT`), but
+    text with spaces that names no file is a PROMPT (`run "What is the capital of France?"`)."""
     given = [a for a in (args.model_pos, args.prompt) if a is not None]
     if len(given) == 1:
         open_ = [slot for slot, option in (("model", args.model), ("prompt", args.prompt_option))
                  if option is None]
         slot = open_[0] if len(open_) == 1 else lone
+        if slot == "model" and len(open_) != 1 and _reads_as_prompt(given[0]):
+            slot = "prompt"          # (`run "What is ...?"`: text, not a model's name)
         args.model_pos, args.prompt = (given[0], None) if slot == "model" else (None, given[0])
     if args.prompt_option is not None:
         if args.prompt is not None:
             raise TinyrtError(f"two prompts given, {shown(args.prompt)} and -p "
                               f"{shown(args.prompt_option)}: give one")
         args.prompt, args.prompt_option = args.prompt_option, None
+
+
+def _reads_as_prompt(text: str) -> bool:
+    """Whether a lone argument of `run` is a prompt, not MODEL: text with spaces that names no
+    file (no model's name, alias or Hugging Face id has one)."""
+    import os
+
+    return any(c.isspace() for c in text.strip()) and not os.path.exists(text)
 
 
 def main(args: argparse.Namespace) -> int:

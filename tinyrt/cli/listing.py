@@ -22,7 +22,9 @@ def size_text(n: int) -> str:
     return f"{n} B"
 
 
-KERNEL_PACKAGES = ("tinyrt.kernels", "tinyrt.models", "tinyrt.converters")  # with cache=True kernels
+# the packages with cache=True kernels (each package's own __pycache__: its subpackages too)
+KERNEL_PACKAGES = ("tinyrt.kernels", "tinyrt.kernels.cpu", "tinyrt.kernels.cuda", "tinyrt.models",
+                   "tinyrt.converters")
 
 
 def kernel_cache() -> tuple[list[Path], int] | None:

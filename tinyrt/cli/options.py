@@ -110,9 +110,11 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     # sampling.check_settings (generation_kwargs), before the model loads
     default = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
     g = p.add_argument_group(
-        "generation", "Sampling defaults: the model's generation_config.json where it has one, "
-                      "else llama.cpp's sampling settings with ollama's repeat penalty (shown "
-                      "below).")
+        "generation", "Sampling defaults: the model's own (its generation_config.json, its "
+                      "GGUF metadata) where it has them, else tinyrt's: temperature "
+                      f"{default['temperature']}, top-p {default['top_p']}, llama.cpp's top-k "
+                      f"{default['top_k']} and min-p {default['min_p']}, ollama's repeat penalty "
+                      f"{DEFAULT_REPEAT_PENALTY} (`tinyrt info MODEL` says which apply).")
     g.add_argument("-n", "--max-tokens", "--n-predict", type=number, default=512, metavar="N",
                    help="most tokens to generate (--n-predict: llama.cpp's name)")
     g.add_argument("--ignore-eos", action="store_true",
