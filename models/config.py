@@ -357,6 +357,15 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def n_params(self) -> int:
+        """The weights' count as the config describes them (embedding and head, each layer's
+        projections and norms): what ollama's parameter_size says (biases, per-head norms
+        aside)."""
+        H, L = self.hidden_size, self.num_hidden_layers
+        layer = 2 * H * self.q_size + 2 * H * self.kv_size + 3 * H * self.intermediate_size + 2 * H
+        return self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + L * layer + H
+
+    @property
     def family(self):
         """Its entry of models.FAMILIES (models.base.Family)."""
         return family(self.model_type)

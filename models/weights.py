@@ -481,7 +481,7 @@ class ModelWeights:
         """What a tied LM head is stored as: the embedding's types."""
         return kinds["model.embed_tokens"]
 
-    def _kinds(self) -> dict[str, dict[str, int]]:
+    def stored_kinds(self) -> dict[str, dict[str, int]]:
         """Linear layers and tables by kind (HF module name without its layer: self_attn.q_proj,
         model.embed_tokens, lm_head) -> {stored type: how many}."""
         kinds: dict[str, dict[str, int]] = {}
@@ -503,7 +503,7 @@ class ModelWeights:
         """(kind, how the file stores it, what it runs as) for each kind of linear layer and
         table: what `tinyrt info` shows."""
         rows = []
-        for kind, counts in self._kinds().items():
+        for kind, counts in self.stored_kinds().items():
             stored = ", ".join(t if len(counts) == 1 else f"{t} x {n}" for t, n in counts.items())
             runs = []
             for t in counts:

@@ -108,3 +108,28 @@ def test_config_with_inconsistent_heads(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelFormatError, match="num_key_value_heads"):
         _ours(d)
+
+
+def test_an_embedding_is_the_mean_of_transformers_final_hidden_states(tmp_path):
+    """LLM.embed (ollama's /api/embed): the final, normed hidden states of the text's tokens
+    (as transformers' last hidden_states), averaged and L2-normalized; the conversation's
+    cache is left as it was."""
+    import torch
+
+    import tinyrt
+
+    d = write_tiny_model(tmp_path / "m", tiny_config())
+    llm = tinyrt.LLM(d, device="reference", kv_size=128, kv_type="f32")
+    llm.generate("hi", max_tokens=3, temperature=0)
+    held = llm.cache.length
+    text = "".join(chr(c) for c in seeded_rng().integers(97, 123, 40))
+    ids = llm.encode(text, add_special=True)
+    with torch.no_grad():
+        h = hf_model(d)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    want = h.double().mean(0).numpy()
+    got = llm.embed(text)
+    assert rel_err(got, want / np.linalg.norm(want)) < 1e-5
+    assert llm.cache.length == held
+    assert np.allclose(llm.embed(text * 20), llm.embed(text * 20, truncate=True))
+    with pytest.raises(tinyrt.TinyrtError, match="the KV cache holds 128"):
+        llm.embed(text * 20, truncate=False)

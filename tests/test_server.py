@@ -994,3 +994,30 @@ def test_tinyrt_serve_with_the_default_model(smol):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_ollama_s_probes_and_one_model_endpoints(served):
+    """What ollama's clients probe and ask of a server of one model: GET / (200), /api/ps (the
+    loaded model), /api/tags' parameter size and quantization, /api/pull of the served model
+    (success at once; another model is refused), /api/embed (each input a unit vector of the
+    hidden size: the mean of its final hidden states, as LLM.embed)."""
+    import numpy as np
+
+    r = urllib.request.urlopen(served.url + "/", timeout=10)
+    assert r.status == 200 and b"running" in r.read()
+    running = served.ollama.ps().models
+    assert [m.model for m in running] == ["tiny"] and running[0].size > 0
+    details = served.ollama.list().models[0].details
+    assert details.parameter_size.endswith("M") and details.quantization_level == "F32"
+    assert served.ollama.pull("tiny").status == "success"
+    with pytest.raises(ollama.ResponseError) as e:
+        served.ollama.pull("llama3")
+    assert e.value.status_code == 404
+    got = served.ollama.embed(model="tiny", input=["hello there", "a second text"])
+    vectors = np.array(got.embeddings)
+    assert vectors.shape == (2, 96) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    served.idle()
+    want = served.llm.embed("hello there")
+    assert np.allclose(vectors[0], want, atol=1e-6) and got.prompt_eval_count > 2
+    status, err = post(served.url + "/api/embed", b'{"input": []}')
+    assert status == 400 and "input" in err["error"]

@@ -427,6 +427,27 @@ class LLM:
         """The whole reply as text (options as for `stream`)."""
         return "".join(r.text for r in self.stream(prompt, **options))
 
+    def embed(self, text: str, *, truncate: bool = True) -> np.ndarray:
+        """An embedding of `text`: the mean of its tokens' final (normed) hidden states,
+        L2-normalized [hidden_size], as ollama's /api/embed gives one for a model without a
+        pooling of its own. Tokens past the KV cache's size are left out (`truncate`) or
+        refused. Run on a cache of its own: the conversation's cache is left as it is."""
+        ids = self.encode(text, add_special=True, what="the text")
+        size = self.cache.capacity
+        if not ids:
+            raise TinyrtError("the text to embed is empty")
+        if len(ids) > size:
+            if not truncate:
+                raise TinyrtError(f"the text has {len(ids)} tokens; the KV cache holds {size}")
+            ids = ids[:size]
+        own = dataclasses.replace(self.cache_options, kv_policy="dense", kv_size=len(ids),
+                                  kv_mem=None, slack=0)
+        with out_of_memory_is(f"embedding {len(ids):,} tokens", CACHE_HINT):
+            h = self.model.backend.to_numpy(self.model.hidden_states(ids, make_cache(
+                own, self.model))).astype(np.float64)
+        v = h.mean(axis=0)
+        return (v / max(np.linalg.norm(v), 1e-30)).astype(np.float32)
+
 
 def _compiling_notice() -> None:
     # the first run on a machine waits for Numba to compile the kernels: say why, once

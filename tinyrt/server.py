@@ -39,7 +39,7 @@ from typing import AsyncIterator, Callable
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tinyrt.errors import SURROGATE, TinyrtError, shown
@@ -50,6 +50,7 @@ from .sampling import (ALIASES, OPTIONS, SamplingParams, SettingError, check_set
 
 DRAIN = 64 << 20
 MAX_BACKLOG = 1024
+MAX_EMBED_INPUTS = 256      # the texts one /api/embed request may give
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOKENS = "tinyrt.tokens"    # a request's ASGI scope: [prompt, reply] tokens, for its log line
 
@@ -133,8 +134,8 @@ def _text(param: str, value: str) -> str:
     return value
 
 
-def _flag(body: dict, name: str) -> bool:
-    v = body.get(name, False)
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
     if not isinstance(v, bool):
         raise _invalid(name, "must be true or false")
     return v
@@ -292,11 +293,13 @@ def ollama_messages(body: dict) -> list[dict]:
 # -- the engine --------------------------------------------------------------------------------
 
 class Job:
-    """One request's generation. The worker thread runs it and puts its items (Responses, then
-    an exception or None at the end) where the request's coroutine awaits them."""
+    """One request's generation (or, with `work`, that call's result: an embedding). The
+    worker thread runs it and puts its items (Responses, then an exception or None at the end)
+    where the request's coroutine awaits them."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, ids: list[int], options: dict):
-        self.ids, self.options = ids, options
+    def __init__(self, loop: asyncio.AbstractEventLoop, ids: list[int], options: dict,
+                 work: Callable[[], object] | None = None):
+        self.ids, self.options, self.work = ids, options, work
         self.loop = loop
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -387,6 +390,10 @@ class Engine:
     def _serve(self, job: Job) -> None:
         replies = None
         try:
+            if job.work is not None:
+                job.put(job.work())
+                job.put(None)
+                return
             replies = iter(self.llm.complete(job.ids, **job.options))
             for r in replies:
                 # a client that stopped reading a stream (its socket's buffers full) is let go
@@ -446,7 +453,11 @@ class Server:
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/responses", self.responses, methods=["POST"]),
+                  Route("/", self.root, methods=["GET", "HEAD"]),
                   Route("/api/version", self.ollama_version, methods=["GET"]),
+                  Route("/api/ps", self.ollama_ps, methods=["GET"]),
+                  Route("/api/pull", self.ollama_pull, methods=["POST"]),
+                  Route("/api/embed", self.ollama_embed, methods=["POST"]),
                   Route("/api/tags", self.ollama_tags, methods=["GET"]),
                   Route("/api/show", self.ollama_show, methods=["POST"]),
                   Route("/api/chat", self.ollama_chat, methods=["POST"]),
@@ -666,10 +677,19 @@ class Server:
         return JSON({"version": __version__})
 
     def _ollama_details(self) -> dict:
-        family = self.llm.config.to_dict().get("model_type") or ""
+        cfg = self.llm.config
+        family = cfg.model_type or ""
+        n = cfg.n_params
+        # (the type most of the layers' projections are stored as: Q4_1, AWQ, F16)
+        stored = {}
+        for kind, counts in self.llm.model.weights.stored_kinds().items():
+            if kind not in ("model.embed_tokens", "lm_head"):
+                for t, k in counts.items():
+                    stored[t] = stored.get(t, 0) + k
         return {"parent_model": "", "format": "gguf" if self.llm.directory.is_file()
                 else "safetensors", "family": family, "families": [family] if family else None,
-                "parameter_size": "", "quantization_level": ""}
+                "parameter_size": f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.2f}M",
+                "quantization_level": max(stored, key=stored.get) if stored else ""}
 
     def _ollama_files(self) -> tuple[int, float]:
         """The model's files' bytes and their latest change (a file's or a directory's)."""
@@ -679,14 +699,81 @@ class Server:
         return sum(st.st_size for st in stats), max((st.st_mtime for st in stats),
                                                    default=path.stat().st_mtime)
 
-    async def ollama_tags(self, request: Request) -> Response:
-        self._authorize(request)
+    def _ollama_model(self) -> dict:
+        """The served model as ollama's lists give one (/api/tags, /api/ps)."""
         size, mtime = self._ollama_files()
         # (an ollama digest is its manifest's hash; here one of what tells this model apart)
         digest = hashlib.sha256(f"{self.name}\0{size}\0{mtime}".encode()).hexdigest()
-        return JSON({"models": [{"name": self.name, "model": self.name,
-                                         "modified_at": _ollama_time(mtime), "size": size,
-                                         "digest": digest, "details": self._ollama_details()}]})
+        return {"name": self.name, "model": self.name, "modified_at": _ollama_time(mtime),
+                "size": size, "digest": digest, "details": self._ollama_details()}
+
+    async def root(self, request: Request) -> Response:
+        # (what ollama answers at its root, which clients probe before they use it)
+        return PlainTextResponse("tinyrt is running (ollama's API under /api, OpenAI's under "
+                                 "/v1)")
+
+    async def ollama_tags(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSON({"models": [self._ollama_model()]})
+
+    async def ollama_ps(self, request: Request) -> Response:
+        """The loaded model: this server's one, loaded for as long as it runs (no expiry); its
+        weights in GPU memory where it runs on one (size_vram)."""
+        self._authorize(request)
+        model = self._ollama_model()
+        gpu = not getattr(self.llm.backend, "host_memory", True)
+        return JSON({"models": [{**model, "expires_at": None,
+                                 "size_vram": model["size"] if gpu else 0,
+                                 "context_length": self.llm.cache.capacity}]})
+
+    async def ollama_embed(self, request: Request) -> Response:
+        """ollama's /api/embed: `input` a string or a list of strings, each embedded as
+        `LLM.embed` does (one job of the queue: the model runs one thing at a time)."""
+        start = time.perf_counter()
+        self._authorize(request)
+        self.engine.check_room()
+        body = await self._body(request)
+        given = body.get("input")
+        texts = [given] if isinstance(given, str) else given
+        if not isinstance(texts, list) or not texts or len(texts) > MAX_EMBED_INPUTS or \
+                not all(isinstance(t, str) and t for t in texts):
+            raise _invalid("input", f"must be a non-empty string or a list of 1 to "
+                                    f"{MAX_EMBED_INPUTS} of them")
+        truncate = _flag(body, "truncate", True)
+        counts = []
+
+        def work():
+            vectors = []
+            for t in texts:
+                counts.append(min(len(self.llm.encode(t, add_special=True, what="the input")),
+                                  self.llm.cache.capacity))
+                vectors.append(self.llm.embed(t, truncate=truncate).tolist())
+            return vectors
+
+        job = Job(asyncio.get_running_loop(), [], {}, work)
+        self.engine.submit(job)
+        vectors = await job.items.get()
+        if isinstance(vectors, Exception):
+            raise vectors
+        return JSON({"model": self.name, "embeddings": vectors,
+                     "total_duration": _ns(time.perf_counter() - start), "load_duration": 0,
+                     "prompt_eval_count": sum(counts)})
+
+    async def ollama_pull(self, request: Request) -> Response:
+        """ollama's pull of the model this server runs: it is here already, so its status lines
+        end at once in success; another model is refused (one model a server: `tinyrt pull`
+        fetches it for another)."""
+        self._authorize(request)
+        body = await self._body(request)
+        name = body.get("model", body.get("name"))
+        if not isinstance(name, str):
+            raise _invalid("model", "must be the name of the model to pull")
+        self._check_model(name, strict=True)
+        lines = [{"status": "pulling manifest"}, {"status": "verifying sha256 digest"},
+                 {"status": "success"}]
+        if body.get("stream", True) is False:
+            return JSON(lines[-1])
+        return Response(b"".join(map(_ndjson, lines)), media_type="application/x-ndjson")
 
     async def ollama_show(self, request: Request) -> Response:
         self._authorize(request)
