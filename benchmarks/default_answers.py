@@ -1,9 +1,10 @@
 """Whether a model answers simple factual questions right at its default sampling: each question
 asked with several seeds (a new conversation each time, as `tinyrt generate --seed S` asks it), a
-reply right when it names the answer. The questions count only where the model gets them right
+reply right when its first sentence names the answer (the question answered first, not somewhere
+in a paragraph that starts elsewhere). The questions count only where the model gets them right
 greedily (temperature 0): what is measured is what sampling loses, not what the model knows.
 
-    python benchmarks/default_answers.py [MODEL] [--seeds 5] [--try temperature=0.2,top_p=0.9 ...]
+    python benchmarks/default_answers.py [MODEL] [--seeds 10] [--try temperature=0.2,top_p=0.9 ...]
 
 Without --try: the defaults as `tinyrt` applies them to the model (the model's own settings, else
 tinyrt's). Each --try is a set of settings over those defaults. The first three questions are issue 49's bar.
@@ -42,8 +43,15 @@ QUESTIONS = [
 MAX_TOKENS = 64
 
 
+def first_sentence(reply: str) -> str:
+    """The reply up to its first sentence's end (., ! or ? before a space or the end) or line."""
+    text = reply.strip().split("\n", 1)[0]
+    end = re.search(r"[.!?](\s|$)", text)
+    return text[:end.start() + 1] if end else text
+
+
 def right(reply: str, answer: str) -> bool:
-    return re.search(answer, reply.lower()) is not None
+    return re.search(answer, first_sentence(reply).lower()) is not None
 
 
 def settings(text: str) -> dict:
@@ -58,7 +66,7 @@ def settings(text: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=None)
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--try", dest="tries", action="append", default=[], type=settings)
     args = ap.parse_args()
     llm = tinyrt.load(args.model, quiet=True)

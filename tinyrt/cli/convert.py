@@ -52,27 +52,46 @@ def add_parser(sub) -> None:
                         "SRC); anything else is never replaced")
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 class ConvertProgress:
-    """A rich progress bar on stderr for a conversion."""
+    """A conversion's progress on stderr: a rich bar in a terminal; elsewhere (a log, a pipe)
+    plain lines, one for each tenth of the work or LINE_EVERY_S seconds, whichever comes
+    later, with the time taken and an estimate of the rest."""
+
+    LINE_EVERY_S = 30
 
     def __init__(self, description: str = "converting"):
         from rich.console import Console
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
 
-        # no bar where stderr is no terminal (a log, a pipe): its stop leaves a blank line there
+        # no bar where stderr is no terminal: its stop leaves a blank line there
         console = Console(stderr=True)
+        self.plain = not console.is_terminal
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                            transient=True, disable=not console.is_terminal)
+                            transient=True, disable=self.plain)
         self.task = None
         self.description = description
+        self.start = self.said_at = time.monotonic()
+        self.said = 0
 
     def __call__(self, done: int, total: int, what: str) -> None:
         if self.task is None:
             self.bar.start()
             self.task = self.bar.add_task(self.description, total=total)
         self.bar.update(self.task, completed=done)
+        now = time.monotonic()
+        if self.plain and done > self.said and (done == total or (
+                done - self.said >= max(total // 10, 1) and now - self.said_at >= self.LINE_EVERY_S)):
+            spent = now - self.start
+            left = spent / done * (total - done)
+            print(f"{self.description}: {done}/{total}, {_minutes(spent)} so far, about "
+                  f"{_minutes(left)} left", file=sys.stderr, flush=True)
+            self.said, self.said_at = done, now
 
     def close(self) -> None:
         self.bar.stop()
