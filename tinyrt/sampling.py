@@ -58,8 +58,9 @@ ALIASES = {"temp": "temperature", "max_completion_tokens": "max_tokens",
 # top-k 40 and min-p 0.05, and ollama's repeat penalty of 1.1 over the last 64 tokens (llama.cpp's
 # is 1, off). An edge runtime runs small models, which a high temperature takes off course: the
 # default model at llama.cpp's 0.8 answered "What is the capital of France?" in French nonsense
-# in some runs; at these settings, of 12 simple questions it answers right greedily, asked with 5
-# seeds each, 58 of 60 answers were right against 44 (benchmarks/default_answers.py, docs/CHAT.md). The cost: "Write a poem about the sea" ran to a
+# in some runs; at these settings, of 9 simple questions it answers right greedily, asked with 10
+# seeds each, 70 of 90 first sentences were right (benchmarks/default_answers.py, docs/CHAT.md,
+# where cooler settings are measured too). The cost: "Write a poem about the sea" ran to a
 # 400-token limit in 3 runs of 15 (0 at 0.8). The penalty, because small models loop without
 # it. Greedy (temperature 0) has no penalty unless one is asked for: it is the plain argmax, as
 # HF transformers and llama.cpp compute it.
