@@ -77,6 +77,8 @@ def guard() -> None:
     def _load_index(self):
         try:
             return load_index(self)
+        except MemoryError:                    # (no memory to read it: not damage)
+            raise
         except Exception as e:                 # what a damaged file raises is anyone's guess
             _drop(self._index_path, e)
             return {}
@@ -84,8 +86,9 @@ def guard() -> None:
     def _load_data(self, name):
         try:
             return load_data(self, name)
-        except OSError:
-            raise                              # Numba's own miss: the file is gone
+        except (OSError, MemoryError):
+            # Numba's own miss (the file is gone), or no memory to read it into: not damage
+            raise
         except Exception as e:
             _drop(self._data_path(name), e)
             return None

@@ -366,3 +366,51 @@ def test_removal_is_idempotent(caches):
         model_cache.remove_cached(entries[name])
         model_cache.remove_cached(entries[name])
     assert sorted(p.name for p in caches.gguf.iterdir()) == ["mine.gguf"]
+
+
+@pytest.mark.parametrize("name", ["\ud800x", "a\u0000b", "../x", "/etc/passwd"])
+def test_a_mark_listing_a_name_the_system_cannot_take_is_no_fetch_of_ours(caches, name):
+    """A forged mark whose list holds an unencodable name or a NUL: the folder is not taken as
+    tinyrt's (listed, removed) and nothing fails."""
+    d = caches.gguf / ".fetch-forged"
+    d.mkdir()
+    (d / model_cache.FETCH_MARK).write_text(json.dumps({"files": [name], "folders": []}))
+    assert ".fetch-forged" not in [m.name for m in model_cache.tinyrt_cached()]
+    p = run_tinyrt("rm", "--all", "-y", env=caches.env)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert d.is_dir()
+
+
+def test_a_fetch_another_remover_is_removing_is_taken_as_removed(caches, monkeypatch):
+    """Remover A holds a killed fetch's folder (its lock, mid-removal) when remover B comes to
+    it: B finds it taken (renamed away), which is done, not a running fetch nor a folder that
+    is not tinyrt's."""
+    import threading
+
+    entry = next(m for m in model_cache.tinyrt_cached() if m.name == ".fetch-abc")
+    removing, release = threading.Event(), threading.Event()
+    rmtree = shutil.rmtree
+
+    def slow_rmtree(path, **kwargs):
+        removing.set()
+        release.wait(10)
+        rmtree(path, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    errors = []
+
+    def remover_a():
+        try:
+            model_cache.remove_cached(entry)
+        except Exception as e:                    # (reported below)
+            errors.append(e)
+
+    a = threading.Thread(target=remover_a)
+    a.start()
+    assert removing.wait(10)
+    try:
+        model_cache.remove_cached(entry)          # remover B: no error
+    finally:
+        release.set()
+        a.join(10)
+    assert not errors and not any(p.name.startswith(".fetch-") for p in caches.gguf.iterdir())

@@ -46,6 +46,32 @@ def test_damaged_cache_is_rebuilt(tmp_path, damage):
     assert "damaged" not in third.stderr and files(tmp_path, ".nbi")
 
 
+NO_MEMORY = """
+from numba.core import caching
+from tinyrt.kernels import jit_cache
+jit_cache.guard()
+class NoMemory:                                    # (reading the cache runs out)
+    def loads(self, data):
+        raise MemoryError
+    def __getattr__(self, name):
+        return getattr(__import__("pickle"), name)
+caching.pickle = NoMemory()
+""" + SCRIPT
+
+
+def test_no_memory_to_read_a_cached_kernel_is_no_damage(tmp_path):
+    """A MemoryError while a cached kernel is read (a process near its memory limit) leaves
+    the file alone: it is not damaged (it was taken for damage and removed)."""
+    assert run(tmp_path).returncode == 0
+    data = {f: f.read_bytes() for f in files(tmp_path, ".nbc") + files(tmp_path, ".nbi")}
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", NO_MEMORY], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode != 0 and "MemoryError" in p.stderr
+    assert "damaged" not in p.stderr
+    assert {f: f.read_bytes() for f in files(tmp_path, ".nbc") + files(tmp_path, ".nbi")} == data
+
+
 SIMD_SCRIPT = """
 import numpy as np
 from kernels.cpu import attention

@@ -358,6 +358,9 @@ def test_undecodable_names_and_keys_never_fail_a_reply(tmp_path):
             assert ask("GET", "/v1/models", bad)[0] == 401
         status, data = ask("GET", "/v1/models", good)
         assert status == 200 and json.loads(data)["data"][0]["id"] == "m\ufffd\ufffd"
+        for path in ("/api/tags", "/api/ps"):
+            status, data = ask("GET", path, good)
+            assert status == 200 and json.loads(data)["models"][0]["name"] == "m\ufffd\ufffd"
         status, data = ask("POST", "/api/show", good, {"model": "x"})
         assert status == 200 and json.loads(data)["template"].startswith("\ufffd")
         for path in ("/v1/chat/completions", "/api/chat"):

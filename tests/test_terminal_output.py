@@ -53,6 +53,22 @@ def test_a_reply_s_escape_sequences_are_shown_not_obeyed(hostile_model):
         assert "\x1b" in p.stdout
 
 
+def test_a_draft_model_s_name_is_shown_safe(hostile_model, tmp_path):
+    """--draft's folder name in --stats' line and bench's figures."""
+    import shutil
+
+    draft = tmp_path / "d\x1b]0;pwned\x07"
+    shutil.copytree(hostile_model, draft)
+    p = run_tinyrt("generate", str(hostile_model), "hi", *GREEDY, "--draft", str(draft),
+                   "--stats")
+    assert p.returncode == 0 and "draft d\\x1b]0;pwned\\x07" in p.stderr, p.stderr
+    assert "\x1b" not in p.stderr
+    p = run_tinyrt("bench", str(hostile_model), "--draft", str(draft), "--prompt-tokens", "8",
+                   "--decode-tokens", "8", "--runs", "1")
+    assert p.returncode == 0 and "d\\x1b]0;pwned\\x07" in p.stdout, p.stderr
+    assert "\x1b" not in p.stdout
+
+
 @pytest.mark.parametrize("markdown", [True, False])
 def test_the_chat_s_rendering_shows_them_too(hostile_model, markdown):
     """In a terminal the reply is drawn by rich (which passes ESC through) and the notes too:

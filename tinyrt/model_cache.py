@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 import subprocess
@@ -465,11 +466,22 @@ def _fetch_dir(path: Path) -> dict | None:
     except (OSError, TinyrtError):
         return None
     names = {k: mark.get(k) for k in ("files", "folders")}
-    if not all(isinstance(v, list) and all(isinstance(n, str) and n == os.path.basename(n)
-                                           and n not in ("", ".", "..") for n in v)
-               for v in names.values()):
+    if not all(isinstance(v, list) and all(map(_plain_name, v)) for v in names.values()):
         return None
     return names
+
+
+def _plain_name(name) -> bool:
+    """Whether `name` is one a fetch's mark may list: a file's name in its folder (no
+    separator, not . or ..), one the system can take (no NUL, no surrogate it cannot encode)."""
+    if not isinstance(name, str) or name != os.path.basename(name) or \
+            name in ("", ".", "..") or "\0" in name:
+        return False
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _tree_size(path: Path) -> int:
@@ -481,6 +493,9 @@ def _tree_size(path: Path) -> int:
             except OSError:
                 pass
     return total
+
+
+RENAME_WAIT_S = 0.1      # how long a remover that found a fetch locked waits for its rename
 
 
 class FetchRunning(TinyrtError):
@@ -508,8 +523,20 @@ def remove_cached(entry: CachedModel) -> None:
         return
     with _unless_live(path) as free:
         if not free:
+            # a live pull's, or another `tinyrt rm`'s, which renames it at once (below)
+            time.sleep(RENAME_WAIT_S)
+            if not os.path.lexists(path):
+                return
             raise FetchRunning(f"{entry.name} is a fetch running now (a `tinyrt pull`): left "
                                "as it is")
+        # taken from other removers first: renamed (a fetch folder still, its mark within, so
+        # that a remover killed midway leaves one `tinyrt rm` still lists)
+        taken = path.with_name(f"{FETCH_PREFIX}removing-{secrets.token_hex(6)}")
+        try:
+            os.rename(path, taken)
+        except FileNotFoundError:            # (taken by another)
+            return
+        path = taken
         for name in fetch["files"] + fetch["folders"]:
             with contextlib.suppress(FileNotFoundError):
                 kind = os.lstat(path / name).st_mode      # a link of either name: not tinyrt's

@@ -703,7 +703,8 @@ class Server:
         """The served model as ollama's lists give one (/api/tags, /api/ps)."""
         size, mtime = self._ollama_files()
         # (an ollama digest is its manifest's hash; here one of what tells this model apart)
-        digest = hashlib.sha256(f"{self.name}\0{size}\0{mtime}".encode()).hexdigest()
+        digest = hashlib.sha256(f"{self.name}\0{size}\0{mtime}".encode(
+            "utf-8", "surrogatepass")).hexdigest()       # (a name of undecodable bytes)
         return {"name": self.name, "model": self.name, "modified_at": _ollama_time(mtime),
                 "size": size, "digest": digest, "details": self._ollama_details()}
 

@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
               "step's eager run and graph capture, once)")
     s = r.get("speculative")
     if s:
-        print(f"  draft          {s['drafter']}: {s['accept_rate']:.0%} of drafts accepted, "
+        print(f"  draft          {printable(s['drafter'])}: {s['accept_rate']:.0%} of drafts accepted, "
               f"{s['tokens_per_step']:.2f} tokens per target pass, gamma {s['gamma']}, "
               f"draft {s['draft_s']:.2f} s / target {s['target_s']:.2f} s")
     return 0

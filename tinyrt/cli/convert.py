@@ -132,8 +132,8 @@ def main(args: argparse.Namespace) -> int:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     size_mb = sum(f.stat().st_size for f in Path(out).iterdir()) / 1e6
     linear_bpw, file_bpw = bits_per_weight(out)
-    print(f"{out}: {size_mb:.1f} MB, {linear_bpw:.2f} bits per linear weight "
+    print(f"{printable(str(out))}: {size_mb:.1f} MB, {linear_bpw:.2f} bits per linear weight "
           f"({file_bpw:.2f} per parameter overall), {seconds:.1f} s, peak RSS {peak_mb:.0f} MB",
           file=sys.stderr)
-    print(out)
+    print(printable(str(out)))
     return 0

@@ -7,7 +7,7 @@ import dataclasses
 import re
 import sys
 
-from tinyrt.errors import TinyrtError, shown
+from tinyrt.errors import TinyrtError, printable, shown
 from tinyrt.kernels import DEVICES
 from tinyrt.sampling import (DEFAULT_REPEAT_PENALTY, SamplingParams, check_settings,
                              is_text)
@@ -264,6 +264,6 @@ def speculative_line(t) -> str:
     s = t.speculative
     if s is None:
         return ""
-    return (f"draft {s.drafter}: {s.accepted}/{s.drafted} accepted ({s.accept_rate:.0%}) · "
+    return (f"draft {printable(s.drafter)}: {s.accepted}/{s.drafted} accepted ({s.accept_rate:.0%}) · "
             f"{s.tokens_per_step:.2f} tokens per target pass · gamma {s.gamma} · "
             f"draft {s.draft_s:.2f} s, target {s.target_s:.2f} s")

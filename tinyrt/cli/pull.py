@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tinyrt.errors import printable
 from tinyrt.model_cache import DEFAULT_MODEL, KNOWN_MODELS
 
 
@@ -21,5 +22,5 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     from tinyrt.registry import resolve
 
-    print(resolve(args.name))
+    print(printable(str(resolve(args.name))))
     return 0
