@@ -705,8 +705,8 @@ def test_ollama_errors_have_ollama_s_shape(served, path, body, words):
 
 
 def test_ollama_unknown_endpoints_and_methods(served):
-    status, err = post(served.url + "/api/pull", b"{}")
-    assert status == 404 and set(err) == {"error"} and "/api/pull" in err["error"]
+    status, err = post(served.url + "/api/push", b"{}")
+    assert status == 404 and set(err) == {"error"} and "/api/push" in err["error"]
     status, err = post(served.url + "/api/tags", b"{}")
     assert status == 405 and set(err) == {"error"}
 

@@ -545,8 +545,11 @@ def remove_cached(entry: CachedModel) -> None:
                 elif stat.S_ISDIR(kind) and name in fetch["folders"]:
                     shutil.rmtree(path / name, **_GONE_OK)
         (path / FETCH_MARK).unlink(missing_ok=True)    # (listed in itself: gone already)
-    with contextlib.suppress(OSError):       # (not empty: what is left is not tinyrt's)
-        path.rmdir()
+        try:
+            path.rmdir()
+        except OSError:                      # not empty: what is left is not tinyrt's, and
+            with contextlib.suppress(OSError):     # stays where it was
+                os.rename(path, entry.path)
 
 
 def _gone_ok(function, path, exc) -> None:

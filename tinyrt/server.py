@@ -557,8 +557,7 @@ class Server:
             raise APIError(413, f"the request body is over {self.max_body:,} bytes, the most "
                                 "this server takes", code="body_too_large")
         try:
-            body = json.loads(data, parse_constant=_no_constant, parse_int=_json_int,
-                              parse_float=_json_float)
+            body = json.loads(data, parse_constant=_no_constant, parse_int=_json_int)
         except _BadNumber as e:
             raise APIError(400, str(e), code="invalid_value") from None
         except (ValueError, RecursionError):
@@ -849,8 +848,7 @@ def _no_constant(name: str):
 
 
 class _BadNumber(ValueError):
-    """A JSON number Python does not convert (an integer of over 4,300 digits) or a double
-    does not hold (1e999)."""
+    """A JSON integer longer than Python converts (4,300 digits)."""
 
 
 def _json_int(text: str) -> int:
@@ -861,16 +859,6 @@ def _json_int(text: str) -> int:
     except ValueError:
         raise _BadNumber(f"the request body has an integer of {len(text):,} digits, "
                          "more than any field takes") from None
-
-
-def _json_float(text: str) -> float:
-    # (1e999 is valid JSON and infinite as a double: no field takes it, and echoed it would
-    # make the reply invalid JSON)
-    value = float(text)
-    if not math.isfinite(value):
-        raise _BadNumber(f"the request body has a number out of a double's range "
-                         f"({shown(text, 24)})")
-    return value
 
 
 def json_bytes(obj) -> bytes:

@@ -58,8 +58,8 @@ def _minutes(seconds: float) -> str:
 
 class ConvertProgress:
     """A conversion's progress on stderr: a rich bar in a terminal; elsewhere (a log, a pipe)
-    plain lines, one for each tenth of the work or LINE_EVERY_S seconds, whichever comes
-    later, with the time taken and an estimate of the rest."""
+    plain lines, one for each tenth of the work (and the end) once LINE_EVERY_S seconds passed
+    since the last, with the time taken and an estimate of the rest."""
 
     LINE_EVERY_S = 30
 
@@ -85,8 +85,8 @@ class ConvertProgress:
             self.task = self.bar.add_task(self.description, total=total)
         self.bar.update(self.task, completed=done)
         now = time.monotonic()
-        if self.plain and done > self.said and (done == total or (
-                done - self.said >= max(total // 10, 1) and now - self.said_at >= self.LINE_EVERY_S)):
+        if self.plain and now - self.said_at >= self.LINE_EVERY_S and (
+                done == total or done - self.said >= max(total // 10, 1)):
             spent = now - self.start
             left = spent / done * (total - done)
             print(f"{self.description}: {done}/{total}, {_minutes(spent)} so far, about "
