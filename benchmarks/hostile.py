@@ -22,7 +22,7 @@ TESTS = ["tests/test_hostile_models.py", "tests/test_hostile_files.py", "tests/t
          "tests/test_convert.py", "tests/test_tokenizer.py", "tests/test_chat_template.py",
          "tests/test_cli.py", "tests/test_bench.py", "tests/test_perplexity.py",
          "tests/test_chat.py", "tests/test_hostile_tensors.py", "tests/test_hostile_numbers.py",
-         "tests/test_hub.py", "tests/test_registry.py"]
+         "tests/test_hub.py", "tests/test_registry.py", "tests/test_terminal_output.py"]
 
 
 def main() -> int:
