@@ -1024,3 +1024,15 @@ def test_ollama_s_probes_and_one_model_endpoints(served):
     assert np.allclose(vectors[0], want, atol=1e-6) and got.prompt_eval_count > 2
     status, err = post(served.url + "/api/embed", b'{"input": []}')
     assert status == 400 and "input" in err["error"]
+
+
+def test_an_api_key_no_header_can_carry_is_refused_at_start(tiny):
+    """A key with a control character (an escape, a newline) could never be matched: HTTP
+    servers refuse such a header before the app sees it. One line, before the model loads."""
+    from helpers import assert_refused, run_tinyrt
+
+    for key in ("se\x1bsame", "two\nlines"):
+        assert_refused(run_tinyrt("serve", str(tiny), "--api-key", key, "--port", "0"),
+                       "control character", "--api-key")
+        assert_refused(run_tinyrt("serve", str(tiny), "--port", "0",
+                                  env={"TINYRT_API_KEY": key}), "control character")

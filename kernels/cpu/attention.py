@@ -75,7 +75,8 @@ def _softmax(scores, n, s0, s1, g, top, total, probs):
             t += e
         total[h] = t
         if keep:
-            probs[h, s0:s0 + n] = sr[:n]
+            for i in range(n):           # (not a slice = an array: see layer._layer_qkv)
+                probs[h, s0 + i] = sr[i]
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -244,8 +245,10 @@ def _merge(outs, tops, totals, probs, score, R):
                 if totals[t, b, h] > 0:
                     f = exp(tops[t, b, h] - m)
                     denom += f * totals[t, b, h]
-                    out[t, h] += f * outs[t, b, h]
-            out[t, h] /= denom
+                    for d in range(D):   # (not out[t, h] += ...: see layer._layer_qkv)
+                        out[t, h, d] += f * outs[t, b, h, d]
+            for d in range(D):
+                out[t, h, d] /= denom
             if score.shape[1] > 0:           # the weights: e**(score - top_b) * e**(top_b - m) / denom
                 sg = score[h // R]
                 for b in range(blocks):

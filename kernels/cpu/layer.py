@@ -21,8 +21,11 @@ def _layer_qkv(x, in_norm, eps, qkv, qkv_b, q_norm, k_norm, cos, sin, n_heads, G
     qkv_out = np.empty((T, Qd + 2 * Gd), np.float32)
     q_gemv(rmsnorm(x, in_norm, eps), qkv, qkv_out, threads)
     if qkv_b.shape[0]:
+        # (element by element: a row += an array compiles Numba's shape-mismatch message,
+        # string formatting that was a fifth of a cold start's compiling)
         for t in range(T):
-            qkv_out[t] += qkv_b
+            for j in range(qkv_b.shape[0]):
+                qkv_out[t, j] += qkv_b[j]
     q = np.ascontiguousarray(qkv_out[:, :Qd]).reshape(T * n_heads, D)
     k = np.ascontiguousarray(qkv_out[:, Qd:Qd + Gd]).reshape(T * G, D)
     if q_norm.shape[0]:

@@ -88,6 +88,10 @@ def main(args: argparse.Namespace) -> int:
         raise TinyrtError('the server needs its extra packages: pip install "tinyrt[server]"') \
             from None
     api_key = args.api_key or os.environ.get("TINYRT_API_KEY") or None
+    if api_key is not None and any(b < 0x20 or b == 0x7f for b in os.fsencode(api_key)):
+        # (HTTP servers refuse a header with one before tinyrt sees it: no client could send it)
+        raise TinyrtError("the API key holds a control character, which no HTTP header can "
+                          "carry: choose another (--api-key or $TINYRT_API_KEY)")
     llm = load_llm(args, load)
     names = model_names(load["model"])
     name = args.alias or names[0]
