@@ -78,6 +78,12 @@ def fit_turns(encode, messages: list[dict], cache, reserve: int,
     return ids, kept
 
 
+def conversation_ids(llm, template: ChatTemplate, messages: list[dict]) -> list[int]:
+    """The tokens of `messages` rendered with `template`, the reply's turn opened."""
+    return llm.encode(template.render(messages, add_generation_prompt=True),
+                      what="the conversation")
+
+
 class ChatSession:
     """A multi-turn chat with `llm` (a `tinyrt.LLM`, whose KV cache it uses).
 
@@ -110,8 +116,10 @@ class ChatSession:
     @property
     def history(self) -> list[dict]:
         """The conversation as chat messages, the system message first when there is one."""
-        head = [] if self.system is None else [{"role": "system", "content": self.system}]
-        return head + [dict(m) for m in self.messages]
+        return self._head() + [dict(m) for m in self.messages]
+
+    def _head(self) -> list[dict]:
+        return [] if self.system is None else [{"role": "system", "content": self.system}]
 
     def reset(self) -> None:
         """Forget the conversation (the system message and settings stay) and empty the cache."""
@@ -140,8 +148,8 @@ class ChatSession:
             raise TinyrtError("a chat message needs some text")
         opts = check_settings({**self.settings, **options})
         opts["stop"] = with_template_stops(opts.get("stop"), self._stops)
-        head = self.history[:len(self.history) - len(self.messages)]
-        messages = head + self.messages[self.left_out:] + [{"role": "user", "content": text}]
+        messages = self._head() + self.messages[self.left_out:] + [{"role": "user",
+                                                                    "content": text}]
         full = self.template.render(messages, add_generation_prompt=True)
         tok = self.llm.tokenizer
         if self._held is not None and full.startswith(self._held):
@@ -178,8 +186,7 @@ class ChatSession:
                 self._held, self._ids = full + reply, ids + tokens
 
     def _encode(self, messages: list[dict]) -> list[int]:
-        return self.llm.encode(self.template.render(messages, add_generation_prompt=True),
-                               what="the conversation")
+        return conversation_ids(self.llm, self.template, messages)
 
     # -- saving ---------------------------------------------------------------------------------
 

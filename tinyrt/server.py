@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -44,7 +45,7 @@ from starlette.routing import Route
 
 from tinyrt.errors import SURROGATE, TinyrtError, shown
 
-from .chat import conversation_template, fit_turns, with_template_stops
+from .chat import conversation_ids, conversation_template, fit_turns, with_template_stops
 from .sampling import (ALIASES, OPTIONS, SamplingParams, SettingError, check_settings,
                        check_value, unknown_option)
 
@@ -642,12 +643,9 @@ class Server:
         """The conversation's tokens; where they fill the cache, its oldest turns left out
         (as ollama truncates a chat to its context) so that `reserve` slots stay for the reply,
         up to half the cache."""
-        def encode(messages):
-            text = self.template.render(messages, add_generation_prompt=True)
-            return self.llm.encode(text, what="the conversation")
-
         try:
-            return fit_turns(encode, messages, self.llm.cache, reserve)[0]
+            return fit_turns(functools.partial(conversation_ids, self.llm, self.template),
+                             messages, self.llm.cache, reserve)[0]
         except TinyrtError as e:
             raise APIError(400, str(e), param="messages") from None
 
